@@ -1,0 +1,1 @@
+"""Chat layer: turns conversations into prompts (chat templates) and model output back into messages."""

@@ -1,0 +1,161 @@
+"""Command line: `python -m lucebox [serve|pull|generate|bench|...]`.
+
+Every user-facing failure is a `LuceboxError`: printed as one line on stderr
+with exit code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from lucebox.errors import LuceboxError
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Flags shared by every command that loads a model."""
+    p.add_argument("--model", "-m", default=None,
+                   help="GGUF file, Hugging Face folder, or a known name (smollm2, gemma3-270m); default smollm2")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA) | float32 | bfloat16 | float16")
+    p.add_argument("--ctx-size", "-c", type=int, default=None, dest="n_ctx", help="context length (default: model's)")
+    p.add_argument("--chat-template-file", type=Path, default=None, help="jinja chat template overriding the model's")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m lucebox", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command")
+
+    p = sub.add_parser("pull", help="download a known model into the cache and print its path")
+    p.add_argument("name", nargs="?", default="smollm2")
+    p.set_defaults(func=cmd_pull)
+
+    p = sub.add_parser("generate", help="generate text from a prompt, streamed to stdout")
+    add_engine_args(p)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", "-p", help="user message (or raw text with --raw)")
+    src.add_argument("--messages", help="JSON list of chat messages, or @FILE holding it")
+    p.add_argument("--raw", action="store_true", help="no chat template: the prompt is the model's input text")
+    p.add_argument("--max-tokens", "-n", type=int, default=256)
+    p.add_argument("--temperature", "-t", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--show-ids", action="store_true", help="print the generated token ids on stderr at the end")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("bench", help="benchmarks (decode)")
+    bench = p.add_subparsers(dest="bench", required=True)
+    b = bench.add_parser("decode", help="prefill and decode tok/s, this engine vs transformers")
+    add_engine_args(b)
+    b.add_argument("--prompt-lens", default="128,512,2048")
+    b.add_argument("--batch-sizes", default="1,4,16")
+    b.add_argument("--gen-len", type=int, default=64)
+    b.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    b.add_argument("--json", type=Path, default=Path("bench_decode.json"), help="where to write the results")
+    b.set_defaults(func=_lazy("lucebox.bench.decode", "main"))
+    return parser
+
+
+def _lazy(module: str, attr: str) -> Callable[[argparse.Namespace], int]:
+    """Import a command's module only when it runs (keeps `--help` and `pull` fast)."""
+
+    def run(args: argparse.Namespace) -> int:
+        import importlib
+
+        return getattr(importlib.import_module(module), attr)(args)
+
+    return run
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    from lucebox.fetch import pull
+
+    print(pull(args.name))
+    return 0
+
+
+def engine_from_args(args: argparse.Namespace, **overrides: Any) -> Any:
+    from lucebox.engine.llm_engine import EngineConfig, LLMEngine
+    from lucebox.fetch import resolve_model
+
+    path = resolve_model(args.model)
+    cfg = EngineConfig(device=args.device, dtype=args.dtype, n_ctx=args.n_ctx, **overrides)
+    return LLMEngine.from_path(path, cfg)
+
+
+def parse_messages(text: str) -> list[dict]:
+    if text.startswith("@"):
+        try:
+            text = Path(text[1:]).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise LuceboxError(f"--messages {text}: {exc.strerror}") from None
+    try:
+        messages = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise LuceboxError(f"--messages is not valid JSON: {exc}") from None
+    if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
+        raise LuceboxError("--messages must be a JSON list of objects with a role")
+    return messages
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from lucebox.chat.prompt import PromptBuilder
+    from lucebox.engine.sampler import SamplingParams
+
+    messages = parse_messages(args.messages) if args.messages else None
+    if args.raw and messages:
+        raise LuceboxError("--raw takes --prompt, not --messages")
+    engine = engine_from_args(args, max_num_seqs=1)
+    builder = PromptBuilder.for_model(engine.loaded, override_file=args.chat_template_file)
+    if args.raw:
+        ids = engine.tokenizer.encode(args.prompt, add_special=True)
+    else:
+        ids = builder.render_ids(messages or [{"role": "user", "content": args.prompt}])
+    params = SamplingParams(
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty, seed=args.seed, max_tokens=args.max_tokens,
+    )
+    try:
+        params.validate()
+    except ValueError as exc:
+        raise LuceboxError(str(exc)) from None
+    detok = engine.tokenizer.detokenizer(skip_special=True)
+    out_ids = []
+    for tok in engine.stream(ids, params):
+        out_ids.append(tok)
+        sys.stdout.write(detok.push(tok))
+        sys.stdout.flush()
+    sys.stdout.write(detok.flush() + "\n")
+    if args.show_ids:
+        print(json.dumps(out_ids), file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname).1s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stderr,
+    )
+    if args.command is None:
+        parser.print_help()
+        return 0
+    try:
+        return args.func(args)
+    except LuceboxError as exc:
+        print(f"lucebox: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,176 @@
+"""The synchronous engine: a loaded model, its KV pool, a scheduler, one `step()`.
+
+Everything above it (the async server loop, the CLI, benchmarks, tests)
+drives generation through `add()` and `step()`; nothing else touches the
+model or the KV cache.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from lucebox.engine.kv_cache import KVCache
+from lucebox.engine.loader import LoadedModel, load_model
+from lucebox.engine.model_runner import ModelRunner
+from lucebox.engine.sampler import SampleRow, SamplingParams, make_generator, sample
+from lucebox.engine.scheduler import Scheduler
+from lucebox.engine.sequence import Chunk, Sequence
+from lucebox.errors import LuceboxError
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+@dataclass
+class EngineConfig:
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"  # auto (fp32 on CPU, bf16 on CUDA) | float32 | bfloat16 | float16
+    n_ctx: int | None = None  # context length; None = the model's
+    kv_tokens: int | None = None  # KV pool size in tokens; None = sized from memory
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_step_tokens: int = 2048  # prefill chunk budget per step
+    cuda_graphs: bool = True  # decode-only steps as CUDA graph replays (CUDA only)
+
+    def resolve_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        dev = torch.device(self.device)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise LuceboxError("--device cuda was asked for but CUDA is not available")
+        return dev
+
+    def resolve_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if self.dtype not in DTYPES:
+            raise LuceboxError(f"unknown dtype {self.dtype!r} (choose from {', '.join(DTYPES)})")
+        return DTYPES[self.dtype]
+
+
+@dataclass
+class StepOutput:
+    seq: Sequence
+    new_tokens: list[int]
+    finished: bool
+
+
+class LLMEngine:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None) -> None:
+        self.loaded = loaded
+        self.config = config or EngineConfig()
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.device = loaded.device
+        self.n_ctx = min(self.config.n_ctx or loaded.config.max_position, loaded.config.max_position)
+        kv_tokens = self.config.kv_tokens or self._default_kv_tokens()
+        block_size = self.config.block_size
+        num_blocks = max(2, -(-kv_tokens // block_size) + 1)
+        self.kv = KVCache.create(loaded.config, num_blocks, block_size, loaded.dtype, self.device)
+        self.runner = ModelRunner(loaded.model, self.kv)
+        if self.config.cuda_graphs:
+            self.runner.enable_cuda_graphs(self.config.max_num_seqs, self.n_ctx)
+        self.scheduler = Scheduler(
+            self.kv,
+            max_num_seqs=self.config.max_num_seqs,
+            max_step_tokens=self.config.max_step_tokens,
+            max_model_len=self.n_ctx,
+            eos_ids=self.tokenizer.eos_ids,
+        )
+        log.info("KV cache: %d blocks x %d tokens (%.0f MiB)", num_blocks, block_size,
+                 self.kv.data.numel() * self.kv.data.element_size() / 2**20)
+
+    @classmethod
+    def from_path(cls, path: str | Path, config: EngineConfig | None = None, quiet: bool = False) -> LLMEngine:
+        config = config or EngineConfig()
+        device = config.resolve_device()
+        loaded = load_model(Path(path), device=device, dtype=config.resolve_dtype(device), quiet=quiet)
+        return cls(loaded, config)
+
+    def _default_kv_tokens(self) -> int:
+        """Room for a few full-context sequences, within a memory budget."""
+        per_token = KVCache.bytes_per_token(self.model_config, self.loaded.dtype)
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * 0.5)
+        else:
+            budget = 2 << 30
+        return max(self.config.block_size * 2, min(4 * self.n_ctx, budget // per_token))
+
+    # ----- requests ----------------------------------------------------------
+
+    def add(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        """Queue a request; raises LuceboxError if it can never fit."""
+        if not prompt_ids:
+            raise LuceboxError("the prompt is empty")
+        if len(prompt_ids) >= self.n_ctx:
+            raise LuceboxError(
+                f"the prompt has {len(prompt_ids)} tokens; this model's context is {self.n_ctx} tokens"
+            )
+        if self.kv.blocks_for(len(prompt_ids) + 1) > self.kv.pool.num_blocks - 1:
+            raise LuceboxError(f"the prompt has {len(prompt_ids)} tokens, more than the KV cache holds")
+        params.validate()
+        seq = Sequence(list(prompt_ids), params, generator=make_generator(params.seed, self.device))
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, seq: Sequence) -> None:
+        self.scheduler.abort(seq)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[StepOutput]:
+        """Run one model step; returns the sequences that got a token."""
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return []
+        sampled, logits = self.runner.run(chunks)
+        tokens, logprobs = sample(logits, [self._row(c) for c in sampled])
+        finished = set(self.scheduler.postprocess(chunks, sampled, tokens, logprobs))
+        return [StepOutput(c.seq, [t], c.seq in finished) for c, t in zip(sampled, tokens)]
+
+    @staticmethod
+    def _row(c: Chunk) -> SampleRow:
+        s = c.seq
+        return SampleRow(s.params, s.prompt_ids, s.output_ids, s.generator)
+
+    # ----- conveniences (CLI, tests, benchmarks) -----------------------------
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+        """Run prompts to completion together (batched); returns the output ids."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        seqs = [self.add(p, sp) for p, sp in zip(prompts, plist)]
+        while any(not s.is_finished for s in seqs):
+            self.step()
+        return [s.output_ids for s in seqs]
+
+    def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[int]:
+        """Yield the output tokens of one request as they are produced."""
+        seq = self.add(prompt_ids, params)
+        try:
+            while not seq.is_finished:
+                for out in self.step():
+                    if out.seq is seq:
+                        yield from out.new_tokens
+        finally:
+            self.abort(seq)
+
+    @torch.inference_mode()
+    def score(self, token_ids: list[int]) -> torch.Tensor:
+        """Logits [len, vocab] (fp32) at every position of one prompt, for parity tests."""
+        seq = Sequence(list(token_ids), SamplingParams())
+        seq.block_table = self.kv.pool.allocate(self.kv.blocks_for(len(token_ids)))
+        try:
+            inputs = self.runner.prepare([Chunk(seq, 0, len(token_ids))])
+            hidden, _ = self.loaded.model(inputs.input_ids, inputs.positions, self.kv.data, inputs.meta)
+            return self.loaded.model.logits(hidden).float()
+        finally:
+            self.kv.pool.decref(seq.block_table)

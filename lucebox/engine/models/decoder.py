@@ -1,0 +1,151 @@
+"""The decoder every supported architecture runs on.
+
+Llama 2/3, SmolLM2 and Mistral are the base; Qwen2 adds QKV bias, Qwen3 adds
+q/k norm, Gemma 3 adds scaled embeddings, sandwich norms, GeGLU, a second
+RoPE base and sliding-window layers. Each difference is a ModelConfig field,
+so one block class serves them all (a family whose block differs in kind,
+e.g. mixture-of-experts, gets its own file here).
+
+Parameter names are the GGUF tensor names (`blk.0.attn_q.weight` …), so a
+GGUF state dict loads as is and HF folders are mapped to them at load.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lucebox.engine.attention import AttentionMetadata, paged_attention
+from lucebox.engine.config import ModelConfig
+from lucebox.engine.models.layers import RMSNorm, Rotary, apply_rotary, rope_inv_freq
+
+
+class DecoderBlock(nn.Module):
+    """Pre-norm attention + gated MLP; Gemma 3 adds norms after each (sandwich)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        h, bias = cfg.hidden_size, cfg.attention_bias
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.sliding = cfg.layer_types[layer] == "sliding" and cfg.sliding_window is not None
+        self.scale = cfg.attn_scale if cfg.attn_scale is not None else cfg.head_dim**-0.5
+        self.act = cfg.hidden_act
+        self.attn_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.attn_q = nn.Linear(h, cfg.q_size, bias=bias)
+        self.attn_k = nn.Linear(h, cfg.kv_size, bias=bias)
+        self.attn_v = nn.Linear(h, cfg.kv_size, bias=bias)
+        self.attn_output = nn.Linear(cfg.q_size, h, bias=False)
+        if cfg.qk_norm:
+            self.attn_q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.attn_k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.ffn_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.ffn_gate = nn.Linear(h, cfg.intermediate_size, bias=False)
+        self.ffn_up = nn.Linear(h, cfg.intermediate_size, bias=False)
+        self.ffn_down = nn.Linear(cfg.intermediate_size, h, bias=False)
+        if cfg.sandwich_norm:
+            self.post_attention_norm = RMSNorm(h, cfg.rms_norm_eps)
+            self.post_ffw_norm = RMSNorm(h, cfg.rms_norm_eps)
+
+    def qkv(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Projected, normed and rotated q/k, and v, each [T, heads, head_dim]."""
+        t = x.shape[0]
+        q = self.attn_q(x).view(t, self.num_heads, self.head_dim)
+        k = self.attn_k(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.attn_v(x).view(t, self.num_kv_heads, self.head_dim)
+        if hasattr(self, "attn_q_norm"):
+            q, k = self.attn_q_norm(q), self.attn_k_norm(k)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        gate = self.ffn_gate(x)
+        gate = F.silu(gate) if self.act == "silu" else F.gelu(gate, approximate="tanh")
+        return self.ffn_down(gate * self.ffn_up(x))
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        q, k, v = self.qkv(self.attn_norm(h), *rope)
+        a = paged_attention(q, k, v, k_cache, v_cache, meta, scale=self.scale, sliding=self.sliding)
+        a = self.attn_output(a.reshape(h.shape[0], -1))
+        if hasattr(self, "post_attention_norm"):
+            a = self.post_attention_norm(a)
+        h = h + a
+        m = self.mlp(self.ffn_norm(h))
+        if hasattr(self, "post_ffw_norm"):
+            m = self.post_ffw_norm(m)
+        return h + m
+
+
+class DecoderModel(nn.Module):
+    """Embedding → decoder blocks → final norm → LM head (tied or untied)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.token_embd = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.blk = nn.ModuleList(DecoderBlock(cfg, i) for i in range(cfg.num_layers))
+        self.output_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if not cfg.tie_word_embeddings:
+            self.output = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary = nn.ModuleDict()
+
+    def init_rotary(self, device: torch.device | str, freq_factors: torch.Tensor | None = None) -> None:
+        """(Re)build the rotary tables; called after weights are loaded."""
+        cfg = self.cfg
+        inv, factor = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position, freq_factors)
+        self.rotary["full"] = Rotary(inv.to(device), factor)
+        if cfg.rope_local_theta is not None:
+            inv, factor = rope_inv_freq(cfg.head_dim, cfg.rope_local_theta, cfg.rope_local_scaling, cfg.max_position)
+            self.rotary["sliding"] = Rotary(inv.to(device), factor)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.token_embd(input_ids)
+        if self.cfg.embed_scale != 1.0:
+            # As HF Gemma does: the scale is an fp32 constant, cast to the activation dtype.
+            h = h * torch.tensor(self.cfg.embed_scale, dtype=torch.float32).to(h.dtype)
+        return h
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv: torch.Tensor,
+        meta: AttentionMetadata,
+        capture: Sequence[int] = (),
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Run the blocks over the step's rows.
+
+        kv: [layers, 2, slots, kv_heads, head_dim]. Returns the last hidden
+        state (before the final norm) and the outputs of the layers listed in
+        `capture` (DFlash conditions its drafter on them).
+        """
+        h = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        ropes = {name: rot(positions, h.dtype) for name, rot in self.rotary.items()}
+        captured: list[torch.Tensor] = []
+        for i, block in enumerate(self.blk):
+            rope = ropes["sliding"] if block.sliding and "sliding" in ropes else ropes["full"]
+            h = block(h, rope, kv[i, 0], kv[i, 1], meta)
+            if i in capture:
+                captured.append(h)
+        return h, captured
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head over the rows whose next token is wanted."""
+        h = self.output_norm(hidden)
+        weight = self.token_embd.weight if self.cfg.tie_word_embeddings else self.output.weight
+        logits = F.linear(h, weight)
+        if self.cfg.final_logit_softcap:
+            cap = self.cfg.final_logit_softcap
+            logits = torch.tanh(logits / cap) * cap
+        return logits

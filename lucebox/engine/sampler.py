@@ -1,0 +1,162 @@
+"""Batched sampling with per-request parameters and per-request seeded generators.
+
+Order of operations (as Hugging Face and vLLM apply them): penalties →
+temperature → top-k → top-p → min-p → draw. Greedy rows skip straight to
+argmax after penalties. Log-probabilities reported to clients are those of
+the model's raw distribution (before penalties and temperature), as vLLM does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # HF style, over prompt and output
+    presence_penalty: float = 0.0  # OpenAI style, over output only
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 256
+    stop_token_ids: frozenset[int] = field(default_factory=frozenset)  # besides the model's EOS set
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None = off; N = chosen token plus top N alternatives
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first out-of-range field."""
+        checks = [
+            ("temperature", self.temperature >= 0),
+            ("top_k", self.top_k >= 0 or self.top_k == -1),
+            ("top_p", 0 < self.top_p <= 1),
+            ("min_p", 0 <= self.min_p <= 1),
+            ("repetition_penalty", self.repetition_penalty > 0),
+            ("presence_penalty", -2 <= self.presence_penalty <= 2),
+            ("frequency_penalty", -2 <= self.frequency_penalty <= 2),
+            ("max_tokens", self.max_tokens >= 1),
+            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20),
+        ]
+        for name, ok in checks:
+            if not ok:
+                raise ValueError(f"{name}={getattr(self, name)!r} is out of range")
+
+
+@dataclass
+class TokenLogprobs:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob), best first
+
+
+@dataclass
+class SampleRow:
+    """What the sampler needs to know about one row besides its logits."""
+
+    params: SamplingParams
+    prompt_ids: list[int]
+    output_ids: list[int]
+    generator: torch.Generator | None = None
+
+
+def make_generator(seed: int | None, device: torch.device) -> torch.Generator | None:
+    if seed is None:
+        return None
+    g = torch.Generator(device=device)
+    g.manual_seed(seed)
+    return g
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """Repetition (HF), presence and frequency (OpenAI) penalties, in place."""
+    for i, row in enumerate(rows):
+        p = row.params
+        if not p.has_penalties:
+            continue
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(row.prompt_ids) | set(row.output_ids)), dtype=torch.long,
+                                device=logits.device)
+            if seen.numel():
+                vals = logits[i, seen]
+                logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        if row.output_ids and (p.presence_penalty or p.frequency_penalty):
+            out = torch.tensor(row.output_ids, dtype=torch.long, device=logits.device)
+            counts = torch.bincount(out, minlength=logits.shape[1]).to(logits.dtype)
+            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature, top-k, top-p, min-p over rows that sample (not greedy)."""
+    dev = logits.device
+    temps = torch.tensor([max(p.temperature, 1e-5) for p in params], device=dev, dtype=logits.dtype)
+    logits = logits / temps[:, None]
+    need_sort = any((p.top_k > 0) or p.top_p < 1.0 for p in params)
+    if need_sort:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        vocab = logits.shape[-1]
+        ks = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev)
+        ranks = torch.arange(vocab, device=dev)[None, :]
+        drop = ranks >= ks[:, None]
+        top_ps = torch.tensor([p.top_p for p in params], device=dev, dtype=logits.dtype)
+        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
+        before = probs.cumsum(-1) - probs  # mass strictly before each rank
+        drop |= before > top_ps[:, None]
+        drop[:, 0] = False
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+    min_ps = [p.min_p for p in params]
+    if any(m > 0 for m in min_ps):
+        probs = logits.softmax(-1)
+        floor = torch.tensor(min_ps, device=dev, dtype=logits.dtype)[:, None] * probs.max(-1, keepdim=True).values
+        logits = logits.masked_fill(probs < floor, float("-inf"))
+    return logits
+
+
+def draw(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """One token per row from softmax(logits), each row with its own generator."""
+    probs = logits.softmax(-1)
+    out = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+    shared = [i for i, r in enumerate(rows) if r.generator is None]
+    if shared:
+        out[shared] = torch.multinomial(probs[shared], 1).squeeze(1)
+    for i, r in enumerate(rows):
+        if r.generator is not None:
+            out[i] = torch.multinomial(probs[i], 1, generator=r.generator)[0]
+    return out
+
+
+def sample(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """Pick the next token of each row; logprobs where the row asked for them."""
+    logits = logits.float()
+    logprobs: list[TokenLogprobs | None] = [None] * len(rows)
+    want_lp = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    raw_lp = logits[want_lp].log_softmax(-1) if want_lp else None
+    if any(r.params.has_penalties for r in rows):
+        logits = apply_penalties(logits.clone(), rows)
+    tokens = logits.argmax(-1)
+    sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if sampled:
+        filtered = filter_logits(logits[sampled], [rows[i].params for i in sampled])
+        tokens[sampled] = draw(filtered, [rows[i] for i in sampled])
+    token_list = tokens.tolist()
+    if raw_lp is not None:
+        for j, i in enumerate(want_lp):
+            n = rows[i].params.logprobs or 0
+            top_v, top_i = raw_lp[j].topk(n) if n else (raw_lp[j][:0], raw_lp[j][:0].long())
+            logprobs[i] = TokenLogprobs(
+                token_list[i], float(raw_lp[j, token_list[i]]), list(zip(top_i.tolist(), top_v.tolist()))
+            )
+    return token_list, logprobs

@@ -1,0 +1,160 @@
+"""Decide what each model step runs: decode rows plus prefill chunks under a token budget.
+
+This is the synchronous core (no asyncio): the server's async loop calls
+`schedule()` and `postprocess()` around each step it runs in the engine
+thread. Policy:
+- every running sequence decodes one row per step (first come, first served);
+- the rest of the step's token budget goes to prefill chunks, oldest first,
+  so a long prompt is cut into chunks that interleave with the decodes;
+- a waiting sequence is admitted when the pool has the KV blocks for its
+  first chunk and the running set is below `max_num_seqs`;
+- when a running sequence needs a block and none is free, the newest running
+  sequence is preempted: its blocks are freed and it goes back to the front
+  of the queue to be recomputed (prompt + what it generated so far).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+
+from lucebox.engine.kv_cache import KVCache
+from lucebox.engine.sampler import TokenLogprobs
+from lucebox.engine.sequence import Chunk, SeqStatus, Sequence
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv: KVCache,
+        *,
+        max_num_seqs: int,
+        max_step_tokens: int,
+        max_model_len: int,
+        eos_ids: Iterable[int],
+    ) -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_step_tokens = max_step_tokens
+        self.max_model_len = max_model_len
+        self.eos_ids = frozenset(eos_ids)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    # ----- queue -------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, seq: Sequence, reason: str = "cancelled") -> None:
+        """Drop a sequence now (client gone); its blocks are freed at once."""
+        if seq.is_finished:
+            return
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._finish(seq, reason)
+
+    # ----- one step ----------------------------------------------------------
+
+    def schedule(self) -> list[Chunk]:
+        budget = self.max_step_tokens
+        chunks: list[Chunk] = []
+        decoding = [s for s in self.running if s.num_pending == 1]
+        prefilling = [s for s in self.running if s.num_pending > 1]
+        for seq in decoding:
+            if seq.is_finished or seq not in self.running:
+                continue  # preempted to make room for an earlier one
+            if not self._reserve(seq, seq.num_computed + 1, chunks):
+                continue
+            chunks.append(Chunk(seq, seq.num_computed, 1))
+            budget -= 1
+        for seq in prefilling:
+            if budget <= 0 or seq not in self.running:
+                break
+            n = min(seq.num_pending, budget)
+            if not self._reserve(seq, seq.num_computed + n, chunks):
+                break
+            chunks.append(Chunk(seq, seq.num_computed, n))
+            budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_pending, budget)
+            need = self.kv.blocks_for(seq.num_computed + n) - len(seq.block_table)
+            if need > self.kv.pool.num_free:
+                break
+            self.waiting.popleft()
+            seq.block_table.extend(self.kv.pool.allocate(max(need, 0)))
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            chunks.append(Chunk(seq, seq.num_computed, n))
+            budget -= n
+        return chunks
+
+    def _reserve(self, seq: Sequence, num_tokens: int, chunks: list[Chunk]) -> bool:
+        """Grow the block table to hold `num_tokens`, preempting newer sequences if needed.
+
+        A preempted sequence's chunk, if already scheduled this step, is dropped.
+        """
+        need = self.kv.blocks_for(num_tokens) - len(seq.block_table)
+        while need > self.kv.pool.num_free:
+            victim = self.running[-1]
+            self._preempt(victim)
+            chunks[:] = [c for c in chunks if c.seq is not victim]
+            if victim is seq:
+                return False
+        if need > 0:
+            seq.block_table.extend(self.kv.pool.allocate(need))
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.kv.pool.decref(seq.block_table)
+        seq.block_table = []
+        seq.num_computed = 0
+        seq.num_cached = 0
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def postprocess(
+        self, chunks: list[Chunk], sampled: list[Chunk], tokens: list[int], logprobs: list[TokenLogprobs | None]
+    ) -> list[Sequence]:
+        """Advance the computed counts, append sampled tokens, finish what is done."""
+        for c in chunks:
+            c.seq.num_computed = c.start + c.n
+        finished = []
+        for c, tok, lp in zip(sampled, tokens, logprobs):
+            seq = c.seq
+            if seq.is_finished:
+                continue
+            seq.token_ids.append(tok)
+            if lp is not None:
+                seq.logprobs.append(lp)
+            reason = self.stop_reason(seq, tok)
+            if reason:
+                self.running.remove(seq)
+                self._finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def stop_reason(self, seq: Sequence, tok: int) -> str | None:
+        p = seq.params
+        if not p.ignore_eos and tok in self.eos_ids or tok in p.stop_token_ids:
+            return "stop"
+        if seq.num_output >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
+            return "length"
+        return None
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        if seq.block_table:
+            self.kv.pool.decref(seq.block_table)
+            seq.block_table = []

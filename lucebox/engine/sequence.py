@@ -1,0 +1,73 @@
+"""One generation request as the engine sees it: tokens, KV blocks, progress."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from lucebox.engine.sampler import SamplingParams, TokenLogprobs
+
+_ids = itertools.count()
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"  # not admitted yet (no KV blocks)
+    RUNNING = "running"  # admitted: prefilling or decoding
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    prompt_ids: list[int]
+    params: SamplingParams
+    seq_id: int = field(default_factory=lambda: next(_ids))
+    token_ids: list[int] = field(default_factory=list)  # prompt + output
+    num_computed: int = 0  # tokens whose K/V are in the cache
+    num_cached: int = 0  # prompt tokens whose K/V came from a prefix cache
+    block_table: list[int] = field(default_factory=list)
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: str | None = None  # stop | length | cancelled | error
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    generator: torch.Generator | None = None
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_ids)
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_ids):]
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - len(self.prompt_ids)
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens known but not yet run through the model (prompt left, or the last sample)."""
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+
+@dataclass
+class Chunk:
+    """The rows one sequence brings to one step: token_ids[start:start+n]."""
+
+    seq: Sequence
+    start: int
+    n: int
+
+    @property
+    def wants_logits(self) -> bool:
+        """Only the step that reaches the end of the known tokens samples."""
+        return self.start + self.n == len(self.seq.token_ids)
