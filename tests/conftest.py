@@ -22,3 +22,13 @@ def gemma3_path() -> Path:
 
 
 from tests.fixtures.tiny_models import tiny_gguf, tiny_hf_folder  # noqa: E402,F401  (session fixtures)
+
+
+@pytest.fixture(scope="session")
+def live_server(smollm2_path):
+    """The full server on the default model, shared by the API tests (fp32 on CPU)."""
+    from tests.live_server import start_server
+
+    server = start_server(smollm2_path)
+    yield server
+    server.stop()

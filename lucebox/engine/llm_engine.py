@@ -108,6 +108,12 @@ class LLMEngine:
 
     def add(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         """Queue a request; raises LuceboxError if it can never fit."""
+        seq = self.new_sequence(prompt_ids, params)
+        self.scheduler.add(seq)
+        return seq
+
+    def new_sequence(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        """Validate a request and make its Sequence, without queueing it (any thread)."""
         if not prompt_ids:
             raise LuceboxError("the prompt is empty")
         if len(prompt_ids) >= self.n_ctx:
@@ -116,10 +122,11 @@ class LLMEngine:
             )
         if self.kv.blocks_for(len(prompt_ids) + 1) > self.kv.pool.num_blocks - 1:
             raise LuceboxError(f"the prompt has {len(prompt_ids)} tokens, more than the KV cache holds")
-        params.validate()
-        seq = Sequence(list(prompt_ids), params, generator=make_generator(params.seed, self.device))
-        self.scheduler.add(seq)
-        return seq
+        try:
+            params.validate()
+        except ValueError as exc:
+            raise LuceboxError(str(exc)) from None
+        return Sequence(list(prompt_ids), params, generator=make_generator(params.seed, self.device))
 
     def abort(self, seq: Sequence) -> None:
         self.scheduler.abort(seq)
@@ -134,8 +141,9 @@ class LLMEngine:
             return []
         sampled, logits = self.runner.run(chunks)
         tokens, logprobs = sample(logits, [self._row(c) for c in sampled])
+        n_before = [c.seq.num_output for c in sampled]
         finished = set(self.scheduler.postprocess(chunks, sampled, tokens, logprobs))
-        return [StepOutput(c.seq, [t], c.seq in finished) for c, t in zip(sampled, tokens)]
+        return [StepOutput(c.seq, c.seq.output_ids[n:], c.seq in finished) for c, n in zip(sampled, n_before)]
 
     @staticmethod
     def _row(c: Chunk) -> SampleRow:

@@ -134,10 +134,15 @@ class Scheduler:
             seq = c.seq
             if seq.is_finished:
                 continue
-            seq.token_ids.append(tok)
-            if lp is not None:
-                seq.logprobs.append(lp)
-            reason = self.stop_reason(seq, tok)
+            if seq.forced_tokens:
+                seq.token_ids.extend(seq.forced_tokens)
+                seq.forced_tokens = []
+                reason = "length" if seq.num_output >= seq.params.max_tokens else None
+            else:
+                seq.token_ids.append(tok)
+                if lp is not None:
+                    seq.logprobs.append(lp)
+                reason = self.stop_reason(seq, tok)
             if reason:
                 self.running.remove(seq)
                 self._finish(seq, reason)

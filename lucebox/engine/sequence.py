@@ -32,6 +32,9 @@ class Sequence:
     finish_reason: str | None = None  # stop | length | cancelled | error
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     generator: torch.Generator | None = None
+    # Tokens to append instead of the next sampled one (e.g. a forced `</think>`
+    # when a thinking budget runs out); the model then prefills them.
+    forced_tokens: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

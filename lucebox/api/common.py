@@ -1,0 +1,378 @@
+"""What the three dialects share: the internal request, field parsing, and the generation run.
+
+A dialect module parses its JSON body into a `ChatRequest`, starts a
+`GenerationRun`, and renders the run's events (chat/events.py) and its
+`Usage` in its own wire format. Everything about prompts, limits, sampling
+defaults, reasoning, thinking budgets, stop strings and tool-call parsing
+happens here, once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from lucebox.chat.events import Event, Finish, ReasoningDelta, ToolCallEnd
+from lucebox.chat.prompt import PromptBuilder
+from lucebox.chat.reasoning import ReasoningConfig
+from lucebox.chat.stream import EventPipeline
+from lucebox.chat.template import TemplateError
+from lucebox.engine.async_engine import AsyncEngine, Generation, QueueFull
+from lucebox.engine.sampler import SamplingParams, TokenLogprobs
+from lucebox.errors import LuceboxError
+from lucebox.http import HttpError
+from lucebox.metrics import Metrics
+from lucebox.model_cards import ModelCard
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_TOKENS = 4096
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+@dataclass
+class ServerContext:
+    """What handlers need; built once at start-up (engine is None while the model loads)."""
+
+    model_id: str
+    n_ctx: int
+    prompt: PromptBuilder | None = None
+    engine: AsyncEngine | None = None
+    card: ModelCard | None = None
+    metrics: Metrics = field(default_factory=Metrics)
+    props: dict[str, Any] = field(default_factory=dict)  # static /props content (model, settings)
+    started_at: float = field(default_factory=time.time)
+    raw_system: bool = False  # Anthropic: pass the system prompt through untouched
+    raw_user: bool = False  # Anthropic: pass user content through untouched
+
+    def ready(self) -> tuple[AsyncEngine, PromptBuilder]:
+        if self.engine is None or self.prompt is None:
+            raise HttpError(503, "the model is still loading; retry shortly", "overloaded_error",
+                            headers={"Retry-After": "2"})
+        return self.engine, self.prompt
+
+
+@dataclass
+class ChatRequest:
+    """One request in dialect-neutral form."""
+
+    messages: list[dict] = field(default_factory=list)  # Hugging Face chat-template messages
+    prompt: str | list[int] | None = None  # legacy completions: raw text or ids, no template
+    tools: list[dict] | None = None  # [{"type": "function", "function": {name, description, parameters}}]
+    tool_choice: Any = "auto"  # "auto" | "none" | "required" | {"name": ...}
+    params: SamplingParams = field(default_factory=SamplingParams)
+    max_tokens: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    enable_thinking: bool | None = None
+    reasoning_effort: str | None = None
+    thinking_budget: int | None = None
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    model: str = ""
+
+
+# ----- field parsing (400 with the field named, never a 500) -------------------
+
+_MISSING = object()
+
+
+def field_of(body: dict, name: str, types: type | tuple[type, ...], default: Any = None, *,
+             where: str = "") -> Any:
+    """`body[name]` checked against `types`; None/absent gives `default`."""
+    value = body.get(name, _MISSING)
+    if value is _MISSING or value is None:
+        return default
+    if isinstance(types, tuple) and float in types and int not in types:
+        types = (*types, int)
+    elif types is float:
+        types = (float, int)
+    if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
+        raise bad_field(name, f"must be {_type_names(types)}", where)
+    if not isinstance(value, types):
+        raise bad_field(name, f"must be {_type_names(types)}, not {type(value).__name__}", where)
+    return value
+
+
+def bad_field(name: str, problem: str, where: str = "") -> HttpError:
+    return HttpError(400, f"'{where}{name}' {problem}", "invalid_request_error", param=f"{where}{name}")
+
+
+def _type_names(types: type | tuple[type, ...]) -> str:
+    names = {int: "an integer", float: "a number", str: "a string", bool: "a boolean", list: "an array",
+             dict: "an object"}
+    ts = types if isinstance(types, tuple) else (types,)
+    uniq = [names.get(t, t.__name__) for t in ts if not (t is int and float in ts)]
+    return " or ".join(dict.fromkeys(uniq))
+
+
+def require_object(body: Any) -> dict:
+    if not isinstance(body, dict):
+        raise HttpError(400, "the request body must be a JSON object", "invalid_request_error")
+    return body
+
+
+def sampling_from_body(body: dict, card: ModelCard | None, *, logprobs: int | None = None) -> SamplingParams:
+    """The common sampling fields; missing ones come from the model card, then greedy defaults."""
+    defaults = dict(card.sampling) if card else {}
+
+    def pick(name: str, types: Any, fallback: Any) -> Any:
+        return field_of(body, name, types, defaults.get(name, fallback))
+
+    params = SamplingParams(
+        temperature=float(pick("temperature", float, 0.0)),
+        top_p=float(pick("top_p", float, 1.0)),
+        top_k=int(pick("top_k", int, 0)),
+        min_p=float(pick("min_p", float, 0.0)),
+        presence_penalty=float(pick("presence_penalty", float, 0.0)),
+        frequency_penalty=float(pick("frequency_penalty", float, 0.0)),
+        repetition_penalty=float(pick("repetition_penalty", float, 1.0)),
+        seed=field_of(body, "seed", int),
+        logprobs=logprobs,
+    )
+    if params.top_k < 0:
+        params.top_k = 0  # -1 means "off" in several clients
+    try:
+        params.validate()
+    except ValueError as exc:
+        name = str(exc).split("=")[0]
+        raise bad_field(name, "is out of range") from None
+    return params
+
+
+def stop_list(value: Any, name: str = "stop") -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value] if value else []
+    if isinstance(value, list) and all(isinstance(s, str) for s in value):
+        return [s for s in value if s]
+    raise bad_field(name, "must be a string or an array of strings")
+
+
+def reject_n(body: dict) -> None:
+    n = field_of(body, "n", int, 1)
+    if n != 1:
+        raise bad_field("n", f"= {n} is not supported: this server returns one choice per request")
+
+
+TEXT_ONLY = "this model takes text only"
+
+
+# ----- the generation run --------------------------------------------------------------
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    reasoning_tokens: int = 0
+    timings: dict[str, Any] = field(default_factory=dict)
+
+
+class GenerationRun:
+    """Prompt → engine → detokenizer → event pipeline, for one request.
+
+    Create with `start()` (renders and validates, may raise HttpError), then
+    iterate `events()`; after the Finish event `usage` is complete.
+    """
+
+    def __init__(self, ctx: ServerContext, req: ChatRequest, prompt_ids: list[int], prompt_text: str | None,
+                 max_tokens: int, reasoning: ReasoningConfig | None, prefix: str, thinking_budget: int | None,
+                 disconnected: asyncio.Event | None) -> None:
+        self.ctx = ctx
+        self.req = req
+        self.prompt_ids = prompt_ids
+        self.prompt_text = prompt_text
+        self.max_tokens = max_tokens
+        self.reasoning = reasoning
+        self.prefix = prefix  # text already in the prompt that the parser must see (forced tool call)
+        self.thinking_budget = thinking_budget
+        self.disconnected = disconnected
+        self.usage = Usage(prompt_tokens=len(prompt_ids))
+        self.logprobs: list[TokenLogprobs] = []
+        self.gen: Generation | None = None
+        self.tool_calls: list[ToolCallEnd] = []
+
+    # -- building ------------------------------------------------------------------
+
+    @classmethod
+    def start(cls, ctx: ServerContext, req: ChatRequest, disconnected: asyncio.Event | None = None) -> GenerationRun:
+        engine, builder = ctx.ready()
+        prefix = ""
+        reasoning = None
+        text: str | None = None
+        if req.prompt is not None:
+            if isinstance(req.prompt, str):
+                ids = builder.tokenizer.encode(req.prompt, add_special=True)
+            else:
+                ids = list(req.prompt)
+                if any(not (0 <= i < builder.tokenizer.vocab_size) for i in ids):
+                    raise bad_field("prompt", "holds token ids outside the vocabulary")
+        else:
+            text, reasoning, prefix = render_chat(ctx, builder, req)
+            ids = builder.tokenizer.encode(text, add_special=False)
+        max_tokens = resolve_max_tokens(ctx, req, len(ids))
+        budget = thinking_budget(ctx, req) if reasoning is not None and reasoning.enabled else None
+        run = cls(ctx, req, ids, text, max_tokens, reasoning, prefix, budget, disconnected)
+        params = SamplingParams(**{**req.params.__dict__, "max_tokens": max_tokens})
+        try:
+            run.gen = engine.submit(ids, params, disconnected)
+        except QueueFull as exc:
+            raise HttpError(503, str(exc), "overloaded_error", headers={"Retry-After": "1"}) from None
+        except LuceboxError as exc:
+            raise HttpError(400, str(exc), "invalid_request_error") from None
+        return run
+
+    # -- running -------------------------------------------------------------------
+
+    async def events(self) -> AsyncIterator[Event]:
+        assert self.gen is not None
+        engine, builder = self.ctx.ready()
+        tok = builder.tokenizer
+        tools = self.req.tools if self.req.tool_choice != "none" else None
+        pipeline = EventPipeline(stops=self.req.stop, tools=tools, reasoning=self.reasoning)
+        detok = tok.detokenizer(skip_special=True)
+        seq = self.gen.seq
+        n_lp = 0
+        reasoning_tokens = 0
+        forced = False
+        if self.prefix:
+            for ev in pipeline.push(self.prefix):
+                yield ev
+        reason = "stop"
+        try:
+            async for new in engine.stream(self.gen):
+                for token in new:
+                    if pipeline.in_reasoning:
+                        reasoning_tokens += 1
+                    for ev in pipeline.push(detok.push(token)):
+                        if isinstance(ev, ToolCallEnd):
+                            self.tool_calls.append(ev)
+                        yield ev
+                if self.req.params.logprobs is not None and len(seq.logprobs) > n_lp:
+                    self.logprobs.extend(seq.logprobs[n_lp:])
+                    n_lp = len(seq.logprobs)
+                if pipeline.done:
+                    engine.cancel(self.gen, "stop")
+                    break
+                if (self.thinking_budget is not None and not forced and pipeline.in_reasoning
+                        and reasoning_tokens >= self.thinking_budget):
+                    close = (self.ctx.card.thinking_terminator_hint if self.ctx.card else None) or "\n</think>\n\n"
+                    engine.force_tokens(self.gen, tok.encode(close, add_special=False))
+                    forced = True
+            reason = self.gen.finish_reason or "stop"
+        except asyncio.CancelledError:
+            engine.cancel(self.gen)
+            raise
+        finally:
+            if self.gen.finish_reason is None:
+                engine.cancel(self.gen)
+        if reason not in ("stop", "length", "cancelled", "error"):
+            reason = "stop"
+        tail = detok.flush()
+        for ev in pipeline.push(tail) if tail and not pipeline.done else []:
+            if isinstance(ev, ToolCallEnd):
+                self.tool_calls.append(ev)
+            yield ev
+        for ev in pipeline.finish(reason):
+            if isinstance(ev, ToolCallEnd):
+                self.tool_calls.append(ev)
+            if isinstance(ev, Finish):
+                self._finish_usage(reasoning_tokens)
+            yield ev
+
+    def _finish_usage(self, reasoning_tokens: int) -> None:
+        gen = self.gen
+        assert gen is not None
+        self.usage.completion_tokens = gen.output_tokens
+        self.usage.cached_tokens = gen.cached_tokens
+        self.usage.reasoning_tokens = reasoning_tokens
+        self.usage.timings = gen.timings.as_dict(gen.prompt_tokens, gen.output_tokens)
+        self.ctx.metrics.observe_generation(self.usage, gen.finish_reason or "stop")
+
+    async def collect(self) -> tuple[list[Event], Finish]:
+        """Run to the end (non-streaming); events merged by kind."""
+        from lucebox.chat.events import merge_events
+
+        events = [ev async for ev in self.events()]
+        finish = events[-1]
+        assert isinstance(finish, Finish)
+        return merge_events(events[:-1]), finish
+
+
+def render_chat(ctx: ServerContext, builder: PromptBuilder, req: ChatRequest) -> tuple[str, ReasoningConfig | None,
+                                                                                      str]:
+    """Template render; returns (prompt text, reasoning config, forced prefix)."""
+    template = builder.template
+    tools = req.tools if req.tools and req.tool_choice != "none" else None
+    kwargs = dict(req.template_kwargs)
+    enable = req.enable_thinking
+    if enable is None and "enable_thinking" in kwargs:
+        enable = bool(kwargs.pop("enable_thinking"))
+    try:
+        text = template.render(req.messages, tools=tools, add_generation_prompt=True, enable_thinking=enable, **kwargs)
+    except TemplateError as exc:
+        raise HttpError(400, str(exc), "invalid_request_error") from None
+    reasoning = None
+    if template.supports_thinking:
+        tail = text[-200:]
+        opened = tail.rfind(THINK_OPEN) > tail.rfind(THINK_CLOSE)
+        reasoning = ReasoningConfig(enabled=enable is not False, start_in_reasoning=opened)
+    prefix = tool_choice_prefix(template.source, req) if tools else ""
+    return text + prefix, reasoning, prefix
+
+
+def tool_choice_prefix(template_source: str, req: ChatRequest) -> str:
+    """Text appended to the prompt so the model must call a tool (`required` / a named one)."""
+    choice = req.tool_choice
+    if choice in ("auto", None, "none"):
+        return ""
+    xml = "<function=" in template_source
+    if isinstance(choice, dict):
+        name = choice.get("name") or (choice.get("function") or {}).get("name")
+        if not name:
+            raise bad_field("tool_choice", "names no function")
+        if not any((t.get("function") or t).get("name") == name for t in req.tools or []):
+            raise bad_field("tool_choice", f"names {name!r}, which is not among the declared tools")
+        return f"<tool_call>\n<function={name}>\n" if xml else f'<tool_call>\n{{"name": "{name}", "arguments": '
+    if choice == "required":
+        return "<tool_call>\n"
+    raise bad_field("tool_choice", "must be auto, none, required or a named function")
+
+
+def resolve_max_tokens(ctx: ServerContext, req: ChatRequest, n_prompt: int) -> int:
+    requested = req.max_tokens
+    if requested is not None and requested < 1:
+        raise bad_field("max_tokens", "must be at least 1")
+    default = ctx.card.max_tokens if ctx.card else DEFAULT_MAX_TOKENS
+    wanted = requested if requested is not None else default
+    if n_prompt >= ctx.n_ctx:
+        raise HttpError(
+            400,
+            f"This model's maximum context length is {ctx.n_ctx} tokens. However, you requested "
+            f"{n_prompt + wanted} tokens ({n_prompt} in the messages, {wanted} in the completion). "
+            "Please reduce the length of the messages or completion.",
+            "invalid_request_error",
+            param="messages",
+        )
+    return max(1, min(wanted, ctx.n_ctx - n_prompt))
+
+
+def thinking_budget(ctx: ServerContext, req: ChatRequest) -> int | None:
+    if req.thinking_budget is not None:
+        return req.thinking_budget
+    if req.reasoning_effort and ctx.card:
+        try:
+            return ctx.card.effort_budget(req.reasoning_effort, ctx.n_ctx)
+        except LuceboxError as exc:
+            raise bad_field("reasoning_effort", str(exc)) from None
+    return None
+
+
+def reasoning_text(events: list[Event]) -> str:
+    return "".join(ev.text for ev in events if isinstance(ev, ReasoningDelta))

@@ -1,0 +1,5 @@
+"""(being written)"""
+
+
+def register(router, ctx):
+    pass

@@ -1,0 +1,217 @@
+"""`python -m lucebox [serve]`: configuration, start-up, and the wiring of the HTTP app.
+
+Start-up binds the socket first and loads the model in a thread, so `/health`
+answers 503 `loading` until the engine is ready. Configuration precedence:
+CLI flag > environment (`LUCEBOX_*`) > model card > built-in default; the
+resolved configuration is logged at start and shown at `/props`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lucebox.api.common import ServerContext
+from lucebox.errors import LuceboxError
+from lucebox.http import Request, Response, Router, run
+from lucebox.model_cards import CardError, ModelCard, card_dirs, find_card, load_card
+
+log = logging.getLogger("lucebox.serve")
+
+
+@dataclass
+class ServerConfig:
+    model: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8080
+    api_key: str | None = None
+    cors: bool = True
+    device: str = "auto"
+    dtype: str = "auto"
+    n_ctx: int | None = None
+    chat_template_file: Path | None = None
+    model_card: Path | None = None
+    max_num_seqs: int = 16
+    max_queue: int = 256
+    max_step_tokens: int = 2048
+    kv_tokens: int | None = None
+    grace: float = 10.0
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ServerConfig:
+        env = os.environ
+
+        def pick(name: str, env_name: str, cast: Any, default: Any) -> Any:
+            value = getattr(args, name, None)
+            if value is not None:
+                return value
+            raw = env.get(env_name)
+            if raw is None:
+                return default
+            try:
+                return cast(raw)
+            except ValueError:
+                raise LuceboxError(f"environment {env_name}={raw!r} is not a valid {cast.__name__}") from None
+
+        return cls(
+            model=pick("model", "LUCEBOX_MODEL", str, None),
+            host=pick("host", "LUCEBOX_HOST", str, "127.0.0.1"),
+            port=pick("port", "LUCEBOX_PORT", int, 8080),
+            api_key=pick("api_key", "LUCEBOX_API_KEY", str, None),
+            cors=not getattr(args, "no_cors", False),
+            device=args.device,
+            dtype=args.dtype,
+            n_ctx=args.n_ctx,
+            chat_template_file=args.chat_template_file,
+            model_card=getattr(args, "model_card", None),
+            max_num_seqs=pick("max_num_seqs", "LUCEBOX_MAX_NUM_SEQS", int, 16),
+            max_queue=pick("max_queue", "LUCEBOX_MAX_QUEUE", int, 256),
+            max_step_tokens=pick("max_step_tokens", "LUCEBOX_MAX_STEP_TOKENS", int, 2048),
+            kv_tokens=pick("kv_tokens", "LUCEBOX_KV_TOKENS", int, None),
+        )
+
+    def public(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["api_key"] = "***" if self.api_key else None
+        return {k: (str(v) if isinstance(v, Path) else v) for k, v in d.items()}
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default=None, help="bind address (default 127.0.0.1; 0.0.0.0 to expose)")
+    p.add_argument("--port", type=int, default=None, help="default 8080")
+    p.add_argument("--api-key", default=None, help="require this key (Bearer or x-api-key); env LUCEBOX_API_KEY")
+    p.add_argument("--no-cors", action="store_true", help="no CORS headers")
+    p.add_argument("--model-card", type=Path, default=None, help="model card JSON (default: looked up by model name)")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="sequences decoded together (default 16)")
+    p.add_argument("--max-queue", type=int, default=None, help="waiting requests before 503 (default 256)")
+    p.add_argument("--max-step-tokens", type=int, default=None, help="prefill chunk budget per step (default 2048)")
+    p.add_argument("--kv-tokens", type=int, default=None, help="KV cache size in tokens (default: from memory)")
+
+
+def resolve_card(cfg: ServerConfig, names: list[str]) -> ModelCard | None:
+    from lucebox.fetch import lucebox_home
+
+    if cfg.model_card is not None:
+        try:
+            card = load_card(cfg.model_card)
+        except CardError as exc:
+            log.warning("%s; continuing without a model card", exc)
+            return None
+    else:
+        card = find_card(names, card_dirs(lucebox_home()))
+    log.info("model card: %s", card.path if card else "none found")
+    return card
+
+
+def load_into(ctx: ServerContext, cfg: ServerConfig) -> Any:
+    """Blocking: resolve and load the model, fill `ctx` (runs in a worker thread); returns the LLMEngine."""
+    from lucebox.chat.prompt import PromptBuilder
+    from lucebox.engine.llm_engine import EngineConfig, LLMEngine
+    from lucebox.fetch import resolve_model
+
+    path = resolve_model(cfg.model)
+    engine_cfg = EngineConfig(device=cfg.device, dtype=cfg.dtype, n_ctx=cfg.n_ctx, kv_tokens=cfg.kv_tokens,
+                              max_num_seqs=cfg.max_num_seqs, max_step_tokens=cfg.max_step_tokens)
+    engine = LLMEngine.from_path(path, engine_cfg)
+    loaded = engine.loaded
+    names = [loaded.config.name, path.stem, path.stem.split(".")[0], path.name]
+    card = resolve_card(cfg, names)
+    template_file = cfg.chat_template_file
+    if template_file is None and card and card.chat_template:
+        template_file = Path(card.chat_template)
+    ctx.prompt = PromptBuilder.for_model(loaded, override_file=template_file)
+    ctx.card = card
+    ctx.n_ctx = engine.n_ctx
+    ctx.model_id = path.stem
+    ctx.props.update(model_props(engine, card, cfg))
+    return engine
+
+
+def model_props(engine: Any, card: ModelCard | None, cfg: ServerConfig) -> dict[str, Any]:
+    loaded = engine.loaded
+    mc = loaded.config
+    return {
+        "model": {"path": str(loaded.path), "arch": mc.arch, "name": mc.name, "n_ctx": engine.n_ctx,
+                  "n_params": mc.n_params(), "quant": loaded.quant, "dtype": str(loaded.dtype).removeprefix("torch."),
+                  "device": str(loaded.device), "format": loaded.format},
+        "model_card": card.raw if card else None,
+        "server": cfg.public(),
+    }
+
+
+def make_app(ctx: ServerContext, cfg: ServerConfig) -> Any:
+    from lucebox.api import register_all
+
+    router = Router()
+    register_all(router, ctx)
+
+    async def app(request: Request, response: Response) -> None:
+        try:
+            await router(request, response)
+        finally:
+            ctx.metrics.count_request(request.path if request.path in router.routes else "other",
+                                      response.status or 0)
+            if request.disconnected.is_set():
+                ctx.metrics.count_disconnect()
+
+    return app
+
+
+def main(args: argparse.Namespace) -> int:
+    cfg = ServerConfig.from_args(args)
+    log.info("configuration: %s", cfg.public())
+    ctx = ServerContext(model_id=cfg.model or "lucebox", n_ctx=cfg.n_ctx or 0)
+    ctx.raw_system = _env_flag("ANTHROPIC_RAW_SYSTEM")
+    ctx.raw_user = _env_flag("ANTHROPIC_RAW_USER")
+
+    async def startup(server: Any) -> None:
+        t = time.monotonic()
+        await start_engine(ctx, cfg)
+        log.info("ready in %.1fs: http://%s:%d (model %s)", time.monotonic() - t, cfg.host, server.port, ctx.model_id)
+
+    async def cleanup() -> None:
+        if ctx.engine is not None:
+            await ctx.engine.stop()
+
+    return run(make_app(ctx, cfg), grace=cfg.grace, startup=startup, cleanup=cleanup, host=cfg.host, port=cfg.port,
+               cors=cfg.cors, api_key=cfg.api_key)
+
+
+async def start_engine(ctx: ServerContext, cfg: ServerConfig) -> None:
+    """Load the model off the loop, then start the engine loop on it."""
+    from lucebox.engine.async_engine import AsyncEngine
+
+    llm = await asyncio.to_thread(load_into, ctx, cfg)
+    engine = AsyncEngine(llm, max_queue=cfg.max_queue)
+    await engine.start()
+    ctx.engine = engine
+    register_engine_metrics(ctx)
+
+
+def register_engine_metrics(ctx: ServerContext) -> None:
+    eng = ctx.engine
+    assert eng is not None
+    kv = eng.engine.kv
+    m = ctx.metrics
+    m.gauge("lucebox_requests_waiting", "Requests queued, not yet running", lambda: eng.num_waiting)
+    m.gauge("lucebox_requests_running", "Sequences admitted (prefilling or decoding)", lambda: eng.num_running)
+    m.gauge("lucebox_kv_blocks_used", "KV cache blocks in use", lambda: kv.pool.num_used)
+    m.gauge("lucebox_kv_blocks_free", "KV cache blocks free", lambda: kv.pool.num_free)
+    m.counter("lucebox_preemptions_total", "Sequences preempted for lack of KV blocks",
+              lambda: eng.engine.scheduler.num_preemptions)
+    m.counter("lucebox_engine_steps_total", "Model steps run", lambda: eng.steps)
+
+
+def _env_flag(name: str) -> bool:
+    """`DFLASH_<name>` or `LUCEBOX_<name>` set to 1/true/yes."""
+    for prefix in ("LUCEBOX_", "DFLASH_"):
+        if os.environ.get(prefix + name, "").lower() in ("1", "true", "yes"):
+            return True
+    return False

@@ -1,0 +1,71 @@
+"""A real Lucebox server on a real socket, in a background thread, for API tests.
+
+It runs the same code as `python -m lucebox` (ServerConfig, start_engine,
+make_app, HttpServer); only the process differs, so tests can also reach
+into `server.ctx` (metrics, engine) to check what happened inside.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lucebox.api.common import ServerContext
+from lucebox.http import HttpServer
+from lucebox.serve import ServerConfig, make_app, start_engine
+
+
+@dataclass
+class LiveServer:
+    url: str
+    ctx: ServerContext
+    cfg: ServerConfig
+    loop: asyncio.AbstractEventLoop
+    _stop: asyncio.Event = field(repr=False)
+    _thread: threading.Thread = field(repr=False)
+
+    @property
+    def base_url(self) -> str:
+        return self.url + "/v1"
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(timeout=30)
+
+
+def start_server(model: Path | str, **overrides: Any) -> LiveServer:
+    """Start a server on 127.0.0.1:<free port>; returns once the model is loaded."""
+    cfg = ServerConfig(model=str(model), port=0, device="cpu", dtype="float32", **overrides)
+    ctx = ServerContext(model_id=str(model), n_ctx=cfg.n_ctx or 0)
+    ready = threading.Event()
+    box: dict[str, Any] = {}
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        box["stop"] = stop
+        box["loop"] = asyncio.get_running_loop()
+        server = HttpServer(make_app(ctx, cfg), host="127.0.0.1", port=0, cors=cfg.cors, api_key=cfg.api_key)
+        await server.start()
+        box["port"] = server.port
+        try:
+            await start_engine(ctx, cfg)
+        except BaseException as exc:
+            box["error"] = exc
+            ready.set()
+            await server.shutdown(0)
+            return
+        ready.set()
+        await stop.wait()
+        await server.shutdown(2.0)
+        await ctx.engine.stop()
+
+    thread = threading.Thread(target=lambda: asyncio.run(main()), name="live-server", daemon=True)
+    thread.start()
+    if not ready.wait(timeout=300):
+        raise RuntimeError("server did not start in 300 s")
+    if "error" in box:
+        raise box["error"]
+    return LiveServer(f"http://127.0.0.1:{box['port']}", ctx, cfg, box["loop"], box["stop"], thread)
