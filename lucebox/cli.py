@@ -1,4 +1,4 @@
-"""Command line: `python -m lucebox [serve|pull|generate|bench|...]`.
+"""Command line: `python -m lucebox [serve|pull|generate|bench|...]`; no command means `serve`.
 
 Every user-facing failure is a `LuceboxError`: printed as one line on stderr
 with exit code 2, never a traceback.
@@ -27,10 +27,27 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template-file", type=Path, default=None, help="jinja chat template overriding the model's")
 
 
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default=None, help="bind address (default 127.0.0.1; 0.0.0.0 to expose)")
+    p.add_argument("--port", type=int, default=None, help="default 8080")
+    p.add_argument("--api-key", default=None, help="require this key (Bearer or x-api-key); env LUCEBOX_API_KEY")
+    p.add_argument("--no-cors", action="store_true", help="no CORS headers")
+    p.add_argument("--model-card", type=Path, default=None, help="model card JSON (default: looked up by model name)")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="sequences decoded together (default 16)")
+    p.add_argument("--max-queue", type=int, default=None, help="waiting requests before 503 (default 256)")
+    p.add_argument("--max-step-tokens", type=int, default=None, help="prefill chunk budget per step (default 2048)")
+    p.add_argument("--kv-tokens", type=int, default=None, help="KV cache size in tokens (default: from memory)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m lucebox", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command")
+
+    p = sub.add_parser("serve", help="serve the OpenAI and Anthropic APIs (the default command)")
+    add_engine_args(p)
+    add_serve_args(p)
+    p.set_defaults(func=_lazy("lucebox.serve", "main"))
 
     p = sub.add_parser("pull", help="download a known model into the cache and print its path")
     p.add_argument("name", nargs="?", default="smollm2")
@@ -142,6 +159,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = set(parser._subparsers._group_actions[0].choices)  # type: ignore[union-attr]
+    first = next((a for a in argv if a not in ("-v", "--verbose")), None)
+    if first is None or (first not in commands and first not in ("-h", "--help")):
+        argv.insert(argv.index(first) if first else len(argv), "serve")
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
@@ -149,9 +171,6 @@ def main(argv: list[str] | None = None) -> int:
         datefmt="%H:%M:%S",
         stream=sys.stderr,
     )
-    if args.command is None:
-        parser.print_help()
-        return 0
     try:
         return args.func(args)
     except LuceboxError as exc:

@@ -9,12 +9,14 @@ Precedence of values: CLI flag > card > built-in default.
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 from lucebox.errors import LuceboxError
 
@@ -22,9 +24,11 @@ log = logging.getLogger(__name__)
 
 REPO_CARDS = Path(__file__).resolve().parent.parent / "model_cards"
 TIERS = ("low", "medium", "high", "x-high", "max")
+TIER_ALIASES = {"xhigh": "x-high", "x_high": "x-high"}  # OpenAI's spelling of x-high
 _REQUIRED = {"name", "source", "verified_at", "max_tokens"}
 _OPTIONAL = {"complex_problem_max_tokens", "hard_limit_reply_budget", "thinking_marker", "thinking_terminator_hint",
              "sampling", "reasoning_effort_tiers", "notes", "drafter", "scorer", "chat_template", "aliases"}
+_STRINGS = ("thinking_marker", "thinking_terminator_hint", "drafter", "scorer", "chat_template")
 _SAMPLING = {"temperature", "top_p", "top_k", "min_p", "presence_penalty", "repetition_penalty"}
 
 
@@ -33,7 +37,11 @@ class CardError(LuceboxError):
 
 
 def slug(name: str) -> str:
-    s = re.sub(r"[\s_]+", "-", name.strip().lower())
+    """File stem for a model name: lower-case, each space/tab/underscore -> '-', other than [a-z0-9.-] dropped.
+
+    Character by character, as the C++ server does, so its card files carry over.
+    """
+    s = re.sub(r"[ \t_]", "-", name.strip().lower())
     return re.sub(r"[^a-z0-9.-]", "", s)
 
 
@@ -60,29 +68,42 @@ class ModelCard:
     def effort_budget(self, effort: str, n_ctx: int) -> int:
         """Thinking-token budget for an effort tier (defaults derived as MODEL_CARDS.md says)."""
         tiers = self.tiers(n_ctx)
-        if effort not in tiers:
+        tier = TIER_ALIASES.get(effort, effort)
+        if tier not in tiers:
             raise CardError(f"unknown reasoning effort {effort!r} (choose from {', '.join(TIERS)})")
-        return tiers[effort]
+        return tiers[tier]
 
     def tiers(self, n_ctx: int) -> dict[str, int]:
-        think = self.max_tokens
-        complex_ = self.complex_problem_max_tokens or think
-        defaults = {"low": think // 8, "medium": think // 2, "high": think, "x-high": (think + complex_) // 2,
-                    "max": complex_}
-        cap = max(0, n_ctx - self.hard_limit_reply_budget)
+        """Thinking-token budget per effort tier, for a context of `n_ctx` tokens (0: unknown, no cap).
+
+        The thinking budget of a request is what its output budget leaves for the
+        answer: think = max_tokens - hard_limit_reply_budget (and likewise from
+        complex_problem_max_tokens). Tiers the card leaves out default to low =
+        think/8, medium = think/2, high = think, x-high = (think + complex)/2,
+        max = complex; then they are made non-decreasing and capped at
+        n_ctx - hard_limit_reply_budget. This is the C++ server's rule; it gives
+        the Qwen3.6-27B tiers 4032/16128/32256/56832/81408 from max_tokens 32768,
+        complex 81920 and a 512-token reply budget.
+        """
+        budget = self.hard_limit_reply_budget
+        think = max(0, self.max_tokens - budget)
+        complex_ = max(0, self.complex_problem_max_tokens - budget) if self.complex_problem_max_tokens else think
+        defaults = {"low": (think + 4) // 8, "medium": (think + 1) // 2, "high": think,
+                    "x-high": (think + complex_) // 2, "max": complex_}
+        cap = max(0, n_ctx - budget) if n_ctx > 0 else None
         out: dict[str, int] = {}
         floor = 0
         for tier in TIERS:
-            value = int(self.reasoning_effort_tiers.get(tier, defaults[tier]))
-            floor = max(floor, value)
-            out[tier] = min(floor, cap) if cap else floor
+            floor = max(floor, int(self.reasoning_effort_tiers.get(tier, defaults[tier])))
+            out[tier] = floor if cap is None else min(floor, cap)
         return out
 
 
 def load_card(path: Path) -> ModelCard:
     """Parse and validate one card file; CardError names what is wrong."""
+    path = Path(path)
     try:
-        raw = json.loads(Path(path).read_text(encoding="utf-8"))
+        raw = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise CardError(f"model card {path} does not exist") from None
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -95,23 +116,87 @@ def load_card(path: Path) -> ModelCard:
     unknown = sorted(raw.keys() - _REQUIRED - _OPTIONAL)
     if unknown:
         log.warning("model card %s: ignoring unknown field(s) %s", path, ", ".join(unknown))
-    if not isinstance(raw["max_tokens"], int) or raw["max_tokens"] < 1:
-        raise CardError(f"model card {path}: max_tokens must be an integer >= 1")
-    budget = raw.get("hard_limit_reply_budget", 4096)
-    if not isinstance(budget, int) or budget < 256:
-        raise CardError(f"model card {path}: hard_limit_reply_budget must be an integer >= 256")
-    sampling = raw.get("sampling") or {}
-    if not isinstance(sampling, dict) or not all(isinstance(v, (int, float)) for v in sampling.values()):
-        raise CardError(f"model card {path}: sampling must be an object of numbers")
+    fields = _validated(raw, f"model card {path}")
+    if fields.get("chat_template") and not Path(fields["chat_template"]).is_absolute():
+        fields["chat_template"] = str(path.resolve().parent / fields["chat_template"])  # relative to the card
+    return ModelCard(**fields, path=path, raw=raw)
+
+
+def _validated(raw: dict[str, Any], where: str) -> dict[str, Any]:
+    """The card's known fields, type- and range-checked (CardError names the first bad one)."""
+    def fail(name: str, problem: str) -> CardError:
+        return CardError(f"{where}: {name} {problem}")
+
+    def integer(name: str, minimum: int) -> int:
+        value = raw[name]
+        if not _is_int(value) or value < minimum:
+            raise fail(name, f"must be an integer >= {minimum}, not {value!r}")
+        return value
+
+    out: dict[str, Any] = {}
+    for name in ("name", "source", "verified_at"):
+        if not isinstance(raw[name], str) or not raw[name].strip():
+            raise fail(name, "must be a non-empty string")
+        out[name] = raw[name]
+    if urlparse(raw["source"]).scheme not in ("http", "https"):
+        raise fail("source", f"must be the URL of the upstream model card, not {raw['source']!r}")
+    try:
+        datetime.date.fromisoformat(raw["verified_at"])
+    except ValueError:
+        raise fail("verified_at", f"must be a date YYYY-MM-DD, not {raw['verified_at']!r}") from None
+    out["max_tokens"] = integer("max_tokens", 1)
+    if raw.get("complex_problem_max_tokens") is not None:
+        out["complex_problem_max_tokens"] = integer("complex_problem_max_tokens", out["max_tokens"])
+    if raw.get("hard_limit_reply_budget") is not None:
+        out["hard_limit_reply_budget"] = integer("hard_limit_reply_budget", 256)
+    for name in _STRINGS:
+        if raw.get(name) is not None:
+            if not isinstance(raw[name], str):
+                raise fail(name, "must be a string")
+            out[name] = raw[name]
+    notes = raw.get("notes")
+    if notes is not None:
+        if isinstance(notes, list) and all(isinstance(n, str) for n in notes):
+            notes = "\n".join(notes)
+        if not isinstance(notes, str):
+            raise fail("notes", "must be a string or an array of strings")
+        out["notes"] = notes
+    aliases = raw.get("aliases") or []
+    if not isinstance(aliases, list) or not all(isinstance(a, str) and a.strip() for a in aliases):
+        raise fail("aliases", "must be an array of model names")
+    out["aliases"] = list(aliases)
+    out["sampling"] = _validated_sampling(raw.get("sampling") or {}, where)
+    tiers = raw.get("reasoning_effort_tiers") or {}
+    if not isinstance(tiers, dict) or not all(k in TIERS and _is_int(v) and v >= 0 for k, v in tiers.items()):
+        raise fail("reasoning_effort_tiers", f"must map {'/'.join(TIERS)} to integers >= 0")
+    out["reasoning_effort_tiers"] = dict(tiers)
+    return out
+
+
+def _validated_sampling(sampling: Any, where: str) -> dict[str, float]:
+    from lucebox.engine.sampler import SamplingParams
+
+    if not isinstance(sampling, dict) or not all(_is_number(v) for v in sampling.values()):
+        raise CardError(f"{where}: sampling must be an object of numbers")
     bad = sorted(sampling.keys() - _SAMPLING)
     if bad:
-        log.warning("model card %s: ignoring unknown sampling field(s) %s", path, ", ".join(bad))
-        sampling = {k: v for k, v in sampling.items() if k in _SAMPLING}
-    tiers = raw.get("reasoning_effort_tiers") or {}
-    if not isinstance(tiers, dict) or not all(k in TIERS and isinstance(v, int) for k, v in tiers.items()):
-        raise CardError(f"model card {path}: reasoning_effort_tiers must map {'/'.join(TIERS)} to integers")
-    known = {k: raw[k] for k in raw.keys() & (_REQUIRED | _OPTIONAL) if k not in ("sampling", "reasoning_effort_tiers")}
-    return ModelCard(**known, sampling=dict(sampling), reasoning_effort_tiers=dict(tiers), path=Path(path), raw=raw)
+        log.warning("%s: ignoring unknown sampling field(s) %s", where, ", ".join(bad))
+    sampling = {k: v for k, v in sampling.items() if k in _SAMPLING}
+    if "top_k" in sampling and not _is_int(sampling["top_k"]):
+        raise CardError(f"{where}: sampling.top_k must be an integer")
+    try:
+        SamplingParams(**sampling).validate()
+    except ValueError as exc:
+        raise CardError(f"{where}: sampling.{exc}") from None
+    return sampling
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def card_dirs(home: Path) -> list[Path]:
@@ -120,7 +205,7 @@ def card_dirs(home: Path) -> list[Path]:
 
 def find_card(model_names: list[str], dirs: list[Path]) -> ModelCard | None:
     """The first card whose file name (or alias) is the slug of one of the model's names."""
-    slugs = [slug(n) for n in model_names if n]
+    slugs = [s for s in (slug(n) for n in model_names if n) if s]
     for d in dirs:
         if not d.is_dir():
             continue

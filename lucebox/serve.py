@@ -83,18 +83,6 @@ class ServerConfig:
         return {k: (str(v) if isinstance(v, Path) else v) for k, v in d.items()}
 
 
-def add_serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default=None, help="bind address (default 127.0.0.1; 0.0.0.0 to expose)")
-    p.add_argument("--port", type=int, default=None, help="default 8080")
-    p.add_argument("--api-key", default=None, help="require this key (Bearer or x-api-key); env LUCEBOX_API_KEY")
-    p.add_argument("--no-cors", action="store_true", help="no CORS headers")
-    p.add_argument("--model-card", type=Path, default=None, help="model card JSON (default: looked up by model name)")
-    p.add_argument("--max-num-seqs", type=int, default=None, help="sequences decoded together (default 16)")
-    p.add_argument("--max-queue", type=int, default=None, help="waiting requests before 503 (default 256)")
-    p.add_argument("--max-step-tokens", type=int, default=None, help="prefill chunk budget per step (default 2048)")
-    p.add_argument("--kv-tokens", type=int, default=None, help="KV cache size in tokens (default: from memory)")
-
-
 def resolve_card(cfg: ServerConfig, names: list[str]) -> ModelCard | None:
     from lucebox.fetch import lucebox_home
 

@@ -1,12 +1,14 @@
 """The engine against an independent reference: Hugging Face transformers on the same files.
 
-Tolerance: fp32 on both sides, over the same dequantized weights, so the only
-differences are the order of floating-point operations (matmul blocking,
-fused SDPA vs eager softmax attention). Those stay near 1e-5 relative; on
-logits of magnitude ~30 that is ~1e-4 absolute. `ATOL = 1e-3` leaves headroom
-of ~10x over what we measure while every real bug we could make (a rope
-convention, a norm offset, a mask off by one, a wrong scale) moves logits by
-0.1 or more.
+Tolerance: fp32 on both sides over the same dequantized weights, so the only
+differences are the order of floating-point operations (fused vs separate
+projections, fused SDPA vs eager softmax attention). We require the largest
+logit difference to stay under RTOL = 1e-4 of the largest logit. Measured:
+SmolLM2 ~1e-6 relative; Gemma 3, whose residual stream reaches 1e5, ~5e-5 on
+an 805-token prompt — the same size as transformers' own fp32-vs-fp64
+difference on that prompt (~3e-5), so nothing tighter is meaningful there.
+Every real bug we could make (a rope convention, a norm offset, a mask off by
+one, a wrong scale) moves logits by more than 1e-2 relative.
 """
 
 from __future__ import annotations
@@ -21,7 +23,13 @@ from tests.fixtures.tiny_models import ARCHS, QTYPES, transformers_gguf_kwargs
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 
-ATOL = 1e-3
+RTOL = 1e-4
+
+
+def assert_close(ours: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    diff = (ours - ref).abs().max().item()
+    scale = ref.abs().max().item()
+    assert diff <= RTOL * scale, f"{what}: max |logit diff| {diff:.2e} > {RTOL} x max |logit| {scale:.1f}"
 
 PROMPTS = [
     "The capital of France is",
@@ -58,8 +66,7 @@ def test_real_model_logits_match_transformers(real_model):
         ours = engine.score(ids)
         with torch.no_grad():
             ref = hf(torch.tensor([ids])).logits[0].float()
-        diff = (ours - ref).abs().max().item()
-        assert diff < ATOL, f"{name}: max |logit diff| {diff} on {text[:30]!r} ({len(ids)} tokens)"
+        assert_close(ours, ref, f"{name} on {text[:30]!r} ({len(ids)} tokens)")
 
 
 def test_real_model_greedy_32_tokens_match_transformers(real_model):
@@ -86,7 +93,7 @@ def test_tiny_gguf_every_arch_and_quant_matches_transformers(tiny_gguf, arch, qt
     ours = engine.score(ids)
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0].float()
-    assert (ours - ref).abs().max().item() < ATOL
+    assert_close(ours, ref, f"tiny {arch} {qtype}")
 
 
 @pytest.mark.parametrize("arch,overrides", [
@@ -102,7 +109,7 @@ def test_tiny_gguf_rope_scaling_and_untied_heads(tiny_gguf, arch, overrides):
     ids = list(range(3, 60))
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0].float()
-    assert (engine.score(ids) - ref).abs().max().item() < ATOL
+    assert_close(engine.score(ids), ref, f"tiny {arch} {overrides}")
 
 
 @pytest.mark.parametrize("arch,shards,tied", [
@@ -115,7 +122,7 @@ def test_tiny_hf_folder_matches_transformers(tiny_hf_folder, arch, shards, tied)
     ids = list(range(3, 50))
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0].float()
-    assert (engine.score(ids) - ref).abs().max().item() < ATOL
+    assert_close(engine.score(ids), ref, f"tiny HF {arch}")
     # The same prompt through the tokenizer the folder ships.
     text = "Hello there, the quick brown fox"
     assert engine.tokenizer.encode(text, add_special=True) == transformers.AutoTokenizer.from_pretrained(

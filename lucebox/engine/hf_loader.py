@@ -155,6 +155,20 @@ def safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
+def count_tensors(folder: Path) -> int:
+    """Number of tensors in the folder's safetensors files (headers only)."""
+    from safetensors import SafetensorError, safe_open
+
+    total = 0
+    for file in safetensors_files(folder):
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                total += len(list(f.keys()))
+        except (SafetensorError, OSError) as exc:
+            raise ModelFileError(f"{file}: corrupt or truncated safetensors file ({exc})") from None
+    return total
+
+
 def iter_hf_tensors(
     folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str
 ) -> Iterator[tuple[str, torch.Tensor]]:

@@ -59,7 +59,7 @@ def load_model(
         cfg = hf_loader.hf_config(path)
         tokenizer = tokenizer_from_hf_dir(path)
         tensors = hf_loader.iter_hf_tensors(path, cfg, dtype, device)
-        n_tensors = sum(1 for _ in _hf_tensor_names(path))
+        n_tensors = hf_loader.count_tensors(path)
         tok_cfg_path = path / "tokenizer_config.json"
         tok_cfg = hf_loader.read_json(tok_cfg_path) if tok_cfg_path.exists() else None
         template = _hf_chat_template(path)
@@ -117,19 +117,9 @@ def build_model(
         more = f" (+{len(missing) - 1} more)" if len(missing) > 1 else ""
         raise ModelFileError(f"{path}: missing tensor {missing[0]}{more}")
     model.load_state_dict(state, assign=True, strict=True)
-    model.init_rotary(device, freq_factors)
+    model.finalize(device, freq_factors)
     model.eval().requires_grad_(False)
     return model
-
-
-def _hf_tensor_names(folder: Path) -> list[str]:
-    from safetensors import safe_open
-
-    names: list[str] = []
-    for f in hf_loader.safetensors_files(folder):
-        with safe_open(str(f), framework="pt") as st:
-            names.extend(st.keys())
-    return names
 
 
 def _hf_dtype_name(folder: Path) -> str:

@@ -49,22 +49,36 @@ class DecoderBlock(nn.Module):
             self.post_attention_norm = RMSNorm(h, cfg.rms_norm_eps)
             self.post_ffw_norm = RMSNorm(h, cfg.rms_norm_eps)
 
+    def fuse(self) -> None:
+        """Merge q/k/v and gate/up into one matmul each (fewer, larger kernels)."""
+        q, k, v = self.attn_q, self.attn_k, self.attn_v
+        self.attn_qkv = nn.Linear(q.in_features, q.out_features + k.out_features + v.out_features,
+                                  bias=q.bias is not None, device=q.weight.device, dtype=q.weight.dtype)
+        self.attn_qkv.weight = nn.Parameter(torch.cat([q.weight, k.weight, v.weight]), requires_grad=False)
+        if q.bias is not None:
+            self.attn_qkv.bias = nn.Parameter(torch.cat([q.bias, k.bias, v.bias]), requires_grad=False)
+        g, u = self.ffn_gate, self.ffn_up
+        self.ffn_gate_up = nn.Linear(g.in_features, 2 * g.out_features, bias=False, device=g.weight.device,
+                                     dtype=g.weight.dtype)
+        self.ffn_gate_up.weight = nn.Parameter(torch.cat([g.weight, u.weight]), requires_grad=False)
+        del self.attn_q, self.attn_k, self.attn_v, self.ffn_gate, self.ffn_up
+
     def qkv(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Projected, normed and rotated q/k, and v, each [T, heads, head_dim]."""
-        t = x.shape[0]
-        q = self.attn_q(x).view(t, self.num_heads, self.head_dim)
-        k = self.attn_k(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.attn_v(x).view(t, self.num_kv_heads, self.head_dim)
+        hq, hkv = self.num_heads, self.num_kv_heads
+        qkv = self.attn_qkv(x).view(x.shape[0], hq + 2 * hkv, self.head_dim)
+        qk, v = qkv[:, : hq + hkv], qkv[:, hq + hkv:]
         if hasattr(self, "attn_q_norm"):
-            q, k = self.attn_q_norm(q), self.attn_k_norm(k)
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+            qk = torch.cat([self.attn_q_norm(qk[:, :hq]), self.attn_k_norm(qk[:, hq:])], dim=1)
+        qk = apply_rotary(qk, cos, sin)
+        return qk[:, :hq], qk[:, hq:], v
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        gate = self.ffn_gate(x)
+        gate, up = self.ffn_gate_up(x).chunk(2, dim=-1)
         gate = F.silu(gate) if self.act == "silu" else F.gelu(gate, approximate="tanh")
-        return self.ffn_down(gate * self.ffn_up(x))
+        return self.ffn_down(gate * up)
 
     def forward(
         self,
@@ -99,8 +113,17 @@ class DecoderModel(nn.Module):
             self.output = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = nn.ModuleDict()
 
+    def finalize(self, device: torch.device | str, freq_factors: torch.Tensor | None = None) -> None:
+        """After the weights are assigned: fuse projections, keep norms in fp32, build rotary tables."""
+        for block in self.blk:
+            block.fuse()
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.weight = nn.Parameter(module.weight.float(), requires_grad=False)
+        self.init_rotary(device, freq_factors)
+
     def init_rotary(self, device: torch.device | str, freq_factors: torch.Tensor | None = None) -> None:
-        """(Re)build the rotary tables; called after weights are loaded."""
+        """(Re)build the rotary tables."""
         cfg = self.cfg
         inv, factor = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position, freq_factors)
         self.rotary["full"] = Rotary(inv.to(device), factor)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from lucebox.engine.config import RopeScaling
@@ -13,7 +14,8 @@ from lucebox.engine.config import RopeScaling
 class RMSNorm(nn.Module):
     """RMSNorm computed in fp32, multiplied by the stored weight.
 
-    The weight is the full multiplier: Gemma's `1 + w` is folded in at load.
+    The weight is the full multiplier (Gemma's `1 + w` is folded in at load)
+    and is kept in fp32 whatever the model dtype (`DecoderModel.finalize`).
     """
 
     def __init__(self, dim: int, eps: float) -> None:
@@ -22,9 +24,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * self.weight.float()).to(x.dtype)
+        return F.rms_norm(x.float(), (x.shape[-1],), self.weight, self.eps).to(x.dtype)
 
 
 def rope_inv_freq(
@@ -89,4 +89,4 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """Rotate-half RoPE on x [T, heads, head_dim] with cos/sin [T, head_dim]."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+    return torch.addcmul(x * cos[:, None, :], rotated, sin[:, None, :])
