@@ -20,7 +20,7 @@ from typing import Any
 
 from lucebox.api.common import ServerContext
 from lucebox.errors import LuceboxError
-from lucebox.http import Request, Response, Router, run
+from lucebox.http import Router, run
 from lucebox.model_cards import CardError, ModelCard, card_dirs, find_card, load_card
 
 log = logging.getLogger("lucebox.serve")
@@ -134,22 +134,24 @@ def model_props(engine: Any, card: ModelCard | None, cfg: ServerConfig) -> dict[
     }
 
 
-def make_app(ctx: ServerContext, cfg: ServerConfig) -> Any:
+def make_app(ctx: ServerContext) -> Router:
     from lucebox.api import register_all
 
     router = Router()
     register_all(router, ctx)
+    return router
 
-    async def app(request: Request, response: Response) -> None:
-        try:
-            await router(request, response)
-        finally:
-            ctx.metrics.count_request(request.path if request.path in router.routes else "other",
-                                      response.status or 0)
-            if request.disconnected.is_set():
-                ctx.metrics.count_disconnect()
 
-    return app
+def http_options(ctx: ServerContext, cfg: ServerConfig, router: Router) -> dict[str, Any]:
+    """HttpServer keyword arguments, including the per-request metrics hook."""
+    paths = {path for _, path in router.routes}
+
+    def on_request(method: str, path: str, status: int, fields: dict[str, Any]) -> None:
+        ctx.metrics.count_request(path if path in paths else "other", status)
+        if fields.get("disconnected"):
+            ctx.metrics.count_disconnect()
+
+    return {"host": cfg.host, "port": cfg.port, "cors": cfg.cors, "api_key": cfg.api_key, "on_request": on_request}
 
 
 def main(args: argparse.Namespace) -> int:
@@ -168,8 +170,8 @@ def main(args: argparse.Namespace) -> int:
         if ctx.engine is not None:
             await ctx.engine.stop()
 
-    return run(make_app(ctx, cfg), grace=cfg.grace, startup=startup, cleanup=cleanup, host=cfg.host, port=cfg.port,
-               cors=cfg.cors, api_key=cfg.api_key)
+    router = make_app(ctx)
+    return run(router, grace=cfg.grace, startup=startup, cleanup=cleanup, **http_options(ctx, cfg, router))
 
 
 async def start_engine(ctx: ServerContext, cfg: ServerConfig) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 
 from lucebox.api.common import ServerContext
 from lucebox.http import HttpServer
-from lucebox.serve import ServerConfig, make_app, start_engine
+from lucebox.serve import ServerConfig, http_options, make_app, start_engine
 
 
 @dataclass
@@ -47,7 +47,8 @@ def start_server(model: Path | str, **overrides: Any) -> LiveServer:
         stop = asyncio.Event()
         box["stop"] = stop
         box["loop"] = asyncio.get_running_loop()
-        server = HttpServer(make_app(ctx, cfg), host="127.0.0.1", port=0, cors=cfg.cors, api_key=cfg.api_key)
+        router = make_app(ctx)
+        server = HttpServer(router, **http_options(ctx, cfg, router))
         await server.start()
         box["port"] = server.port
         try:

@@ -13,7 +13,7 @@ import pytest
 from lucebox.engine.gguf_file import GGUFFile
 from lucebox.engine.loader import load_model, read_model_config
 from lucebox.errors import ModelFileError
-from tests.fixtures.tiny_models import write_tiny_gguf, write_tiny_hf_folder
+from tests.fixtures.tiny_models import write_tiny_hf_folder
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -69,6 +69,7 @@ import orjson
 from lucebox.api.common import (
     TEXT_ONLY,
     ChatRequest,
+    ContextOverflow,
     GenerationRun,
     ServerContext,
     Usage,
@@ -623,15 +624,16 @@ class StreamRenderer:
 # ----- handlers ----------------------------------------------------------------------------
 
 
-def _start_run(ctx: ServerContext, req: ChatRequest, request: Request) -> GenerationRun:
+async def _start_run(ctx: ServerContext, req: ChatRequest, request: Request) -> GenerationRun:
     """GenerationRun.start, with the too-long-prompt error in Anthropic's wording (Claude Code compacts on it)."""
     try:
-        return GenerationRun.start(ctx, req, request.disconnected)
+        return await GenerationRun.start(ctx, req, request.disconnected)
+    except ContextOverflow as exc:
+        raise HttpError(400, f"prompt is too long: {exc.n_prompt} tokens > {exc.n_ctx - 1} maximum",
+                        "invalid_request_error") from None
     except HttpError as exc:
-        m = re.search(r"\((\d+) in the messages", exc.message)
-        if exc.status == 400 and exc.message.startswith("This model's maximum context length") and m:
-            raise HttpError(400, f"prompt is too long: {m.group(1)} tokens > {ctx.n_ctx - 1} maximum",
-                            "invalid_request_error") from None
+        if exc.status == 503:  # the queue is full: Anthropic's API says 529 overloaded_error
+            raise HttpError(529, exc.message, "overloaded_error", headers=exc.headers) from None
         raise
 
 
@@ -700,7 +702,7 @@ def register(router: Router, ctx: ServerContext) -> None:
 
     async def messages(request: Request, response: Response) -> None:
         req = parse_request(ctx, request.json())
-        run = _start_run(ctx, req, request)
+        run = await _start_run(ctx, req, request)
         if req.stream:
             await _stream(request, response, run, req.model)
             return

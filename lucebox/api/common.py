@@ -177,8 +177,9 @@ class Usage:
 class GenerationRun:
     """Prompt → engine → detokenizer → event pipeline, for one request.
 
-    Create with `start()` (renders and validates, may raise HttpError), then
-    iterate `events()`; after the Finish event `usage` is complete.
+    Create with `await start()` (renders, tokenizes and validates off the
+    event loop; may raise HttpError), then iterate `events()`; after the
+    Finish event `usage` is complete.
     """
 
     def __init__(self, ctx: ServerContext, req: ChatRequest, prompt_ids: list[int], prompt_text: str | None,
@@ -201,8 +202,26 @@ class GenerationRun:
     # -- building ------------------------------------------------------------------
 
     @classmethod
-    def start(cls, ctx: ServerContext, req: ChatRequest, disconnected: asyncio.Event | None = None) -> GenerationRun:
+    async def start(cls, ctx: ServerContext, req: ChatRequest,
+                    disconnected: asyncio.Event | None = None) -> GenerationRun:
         engine, builder = ctx.ready()
+        # Rendering and tokenizing a long prompt takes a while: never on the loop.
+        ids, text, reasoning, prefix = await asyncio.to_thread(cls._prompt, ctx, builder, req)
+        max_tokens = resolve_max_tokens(ctx, req, len(ids))
+        budget = thinking_budget(ctx, req) if reasoning is not None and reasoning.enabled else None
+        run = cls(ctx, req, ids, text, max_tokens, reasoning, prefix, budget, disconnected)
+        params = SamplingParams(**{**req.params.__dict__, "max_tokens": max_tokens})
+        try:
+            run.gen = engine.submit(ids, params, disconnected)
+        except QueueFull as exc:
+            raise HttpError(503, str(exc), "overloaded_error", headers={"Retry-After": "1"}) from None
+        except LuceboxError as exc:
+            raise HttpError(400, str(exc), "invalid_request_error") from None
+        return run
+
+    @staticmethod
+    def _prompt(ctx: ServerContext, builder: PromptBuilder,
+                req: ChatRequest) -> tuple[list[int], str | None, ReasoningConfig | None, str]:
         prefix = ""
         reasoning = None
         text: str | None = None
@@ -216,17 +235,7 @@ class GenerationRun:
         else:
             text, reasoning, prefix = render_chat(ctx, builder, req)
             ids = builder.tokenizer.encode(text, add_special=False)
-        max_tokens = resolve_max_tokens(ctx, req, len(ids))
-        budget = thinking_budget(ctx, req) if reasoning is not None and reasoning.enabled else None
-        run = cls(ctx, req, ids, text, max_tokens, reasoning, prefix, budget, disconnected)
-        params = SamplingParams(**{**req.params.__dict__, "max_tokens": max_tokens})
-        try:
-            run.gen = engine.submit(ids, params, disconnected)
-        except QueueFull as exc:
-            raise HttpError(503, str(exc), "overloaded_error", headers={"Retry-After": "1"}) from None
-        except LuceboxError as exc:
-            raise HttpError(400, str(exc), "invalid_request_error") from None
-        return run
+        return ids, text, reasoning, prefix
 
     # -- running -------------------------------------------------------------------
 
@@ -310,7 +319,9 @@ def render_chat(ctx: ServerContext, builder: PromptBuilder, req: ChatRequest) ->
     """Template render; returns (prompt text, reasoning config, forced prefix)."""
     template = builder.template
     tools = req.tools if req.tools and req.tool_choice != "none" else None
-    kwargs = dict(req.template_kwargs)
+    # Template variables the server sets itself cannot come from chat_template_kwargs.
+    kwargs = {k: v for k, v in req.template_kwargs.items()
+              if k not in ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token")}
     enable = req.enable_thinking
     if enable is None and "enable_thinking" in kwargs:
         enable = bool(kwargs.pop("enable_thinking"))
@@ -345,6 +356,21 @@ def tool_choice_prefix(template_source: str, req: ChatRequest) -> str:
     raise bad_field("tool_choice", "must be auto, none, required or a named function")
 
 
+class ContextOverflow(HttpError):
+    """The prompt alone fills the context (400; dialects may reword it)."""
+
+    def __init__(self, n_prompt: int, n_completion: int, n_ctx: int) -> None:
+        super().__init__(
+            400,
+            f"This model's maximum context length is {n_ctx} tokens. However, you requested "
+            f"{n_prompt + n_completion} tokens ({n_prompt} in the messages, {n_completion} in the completion). "
+            "Please reduce the length of the messages or completion.",
+            "invalid_request_error",
+            param="messages",
+        )
+        self.n_prompt, self.n_ctx = n_prompt, n_ctx
+
+
 def resolve_max_tokens(ctx: ServerContext, req: ChatRequest, n_prompt: int) -> int:
     requested = req.max_tokens
     if requested is not None and requested < 1:
@@ -352,14 +378,7 @@ def resolve_max_tokens(ctx: ServerContext, req: ChatRequest, n_prompt: int) -> i
     default = ctx.card.max_tokens if ctx.card else DEFAULT_MAX_TOKENS
     wanted = requested if requested is not None else default
     if n_prompt >= ctx.n_ctx:
-        raise HttpError(
-            400,
-            f"This model's maximum context length is {ctx.n_ctx} tokens. However, you requested "
-            f"{n_prompt + wanted} tokens ({n_prompt} in the messages, {wanted} in the completion). "
-            "Please reduce the length of the messages or completion.",
-            "invalid_request_error",
-            param="messages",
-        )
+        raise ContextOverflow(n_prompt, wanted, ctx.n_ctx)
     return max(1, min(wanted, ctx.n_ctx - n_prompt))
 
 

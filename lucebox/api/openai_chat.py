@@ -601,7 +601,7 @@ async def completions(ctx: ServerContext, request: Request, response: Response) 
 async def _serve(ctx: ServerContext, request: Request, response: Response, req: ChatRequest,
                  make_renderer: type[Renderer]) -> None:
     """Run one generation and write it in the renderer's shape, streamed or whole."""
-    run = GenerationRun.start(ctx, req, request.disconnected)
+    run = await GenerationRun.start(ctx, req, request.disconnected)
     lp = LogprobFormatter(ctx.ready()[1].tokenizer) if req.params.logprobs is not None else None
     renderer = make_renderer(req.model, lp)
     if not req.stream:

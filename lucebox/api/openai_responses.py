@@ -702,7 +702,7 @@ def register(router: Router, ctx: ServerContext) -> None:
 
     async def create(request: Request, response: Response) -> None:
         parsed = parse_request(require_object(request.json()), ctx)
-        run = GenerationRun.start(ctx, parsed.chat, request.disconnected)
+        run = await GenerationRun.start(ctx, parsed.chat, request.disconnected)
         renderer = ResponseRenderer(model=parsed.chat.model, echo=parsed.echo, custom_tools=parsed.custom_tools,
                                     namespaces=parsed.namespaces)
         if parsed.chat.stream:

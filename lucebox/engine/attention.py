@@ -35,9 +35,21 @@ class AttnGroup:
 
 
 @dataclass
+class DecodeBatch:
+    """Every row is one sequence's newest token: the paged decode kernel's inputs."""
+
+    block_tables: torch.Tensor  # [B, blocks] int64
+    positions: torch.Tensor  # [B] position of each row
+    max_ctx: int  # context bucket (static shapes for CUDA graphs)
+    page: int  # KV block size
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot each new row's K/V is written to
     groups: list[AttnGroup] = field(default_factory=list)
+    decode: DecodeBatch | None = None  # set: use the Triton decode kernel instead of `groups`
+    window: int | None = None  # sliding-window size, for the decode kernel
 
 
 def paged_attention(
@@ -57,6 +69,12 @@ def paged_attention(
     """
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
+    if meta.decode is not None:
+        from lucebox.engine.triton_attention import decode_attention
+
+        d = meta.decode
+        return decode_attention(q, k_cache, v_cache, d.block_tables, d.positions, page=d.page, scale=scale,
+                                max_ctx=d.max_ctx, window=meta.window if sliding else None)
     if len(meta.groups) == 1:
         return _attend_group(q, k, v, k_cache, v_cache, meta.groups[0], scale, sliding)
     return torch.cat([_attend_group(q, k, v, k_cache, v_cache, g, scale, sliding) for g in meta.groups])

@@ -1,14 +1,20 @@
 """Decode steps replayed as CUDA graphs.
 
-A small model's decode step is a few hundred tiny kernels; launched one by one
+A small model's decode step is hundreds of tiny kernels; launched one by one
 from Python they cost ~7 µs each, replayed from a graph ~1 µs. A graph fixes
 every shape and address, so a decode-only step is padded to a captured batch
-size and a captured context length (key positions gathered per sequence):
+size and context bucket:
 - batch buckets 1, 2, 4, 8, then multiples of 8 up to `max_batch`;
 - context buckets: powers of two from 256 tokens up to the model's context.
-Graphs are captured lazily the first time a (batch, context) bucket is used,
-into one shared memory pool, and replayed with static input buffers refilled
-each step. Padding rows write their K/V into scratch block 0 and are dropped.
+Graphs are captured lazily, the first time a bucket is used, into one shared
+memory pool.
+
+Per step the host packs token ids, positions, cache slots and block tables
+into one pinned buffer and copies it to the device in one transfer; the graph
+does the rest: the model, the LM head, and the greedy argmax (so a greedy step
+reads back one int per sequence). Attention uses the Triton paged decode
+kernel where available, else keys are gathered inside the graph.
+Padding rows write their K/V into scratch block 0 and are dropped.
 """
 
 from __future__ import annotations
@@ -18,21 +24,25 @@ from typing import Any
 
 import torch
 
-from lucebox.engine.attention import AttentionMetadata, AttnGroup
+from lucebox.engine import triton_attention
+from lucebox.engine.attention import AttentionMetadata, AttnGroup, DecodeBatch
 from lucebox.engine.sequence import Chunk
 
 log = logging.getLogger(__name__)
 
+MIN_CTX = 256
+
 
 def batch_buckets(max_batch: int) -> list[int]:
-    small = [b for b in (1, 2, 4) if b < max_batch]
-    return small + list(range(8, max_batch + 8, 8)) if max_batch > 4 else [b for b in (1, 2, 4) if b <= max_batch]
+    small = [b for b in (1, 2, 4) if b <= max_batch]
+    return small + list(range(8, max_batch + 8, 8)) if max_batch > 4 else small
 
 
 class _Graph:
-    def __init__(self, graph: torch.cuda.CUDAGraph, logits: torch.Tensor) -> None:
+    def __init__(self, graph: torch.cuda.CUDAGraph, logits: torch.Tensor, tokens: torch.Tensor) -> None:
         self.graph = graph
         self.logits = logits
+        self.tokens = tokens
 
 
 class CudaGraphDecoder:
@@ -41,90 +51,95 @@ class CudaGraphDecoder:
     def __init__(self, runner: Any, max_batch: int, max_ctx: int) -> None:
         self.runner = runner
         self.model = runner.model
+        self.cfg = runner.model.cfg
         self.kv = runner.kv
         self.device = runner.device
+        self.page = self.kv.block_size
         self.batches = batch_buckets(max_batch)
-        bs = self.kv.block_size
-        self.max_ctx = -(-max_ctx // bs) * bs
+        self.max_ctx = max(MIN_CTX, -(-max_ctx // self.page) * self.page)
+        self.use_kernel = triton_attention.available(self.device)
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self.pool = torch.cuda.graph_pool_handle()
-        sliding = self.model.cfg.has_sliding_layers
-        b, c = self.batches[-1], self.max_ctx
-        dev = self.device
-        self.ids = torch.zeros(b, dtype=torch.long, device=dev)
-        self.pos = torch.zeros(b, dtype=torch.long, device=dev)
-        self.slots = torch.zeros(b, dtype=torch.long, device=dev)
-        self.gather = torch.zeros(b, c, dtype=torch.long, device=dev)
-        self.mask = torch.zeros(b, 1, 1, c, dtype=torch.bool, device=dev)
-        self.mask_sliding = torch.zeros(b, 1, 1, c, dtype=torch.bool, device=dev) if sliding else None
+        b, nb = self.batches[-1], self.max_ctx // self.page
+        self.bmax, self.nbmax = b, nb
+        # One packed int64 buffer: ids[b] | positions[b] | slots[b] | block tables[b, nb].
+        size = 3 * b + b * nb
+        self.host = torch.zeros(size, dtype=torch.long, pin_memory=True)
+        self.host_np = self.host.numpy()
+        self.dev = torch.zeros(size, dtype=torch.long, device=self.device)
+        self.kpos = torch.arange(self.max_ctx, device=self.device)
+
+    def _views(self, t: torch.Tensor, batch: int, c: int) -> tuple[torch.Tensor, ...]:
+        b, nb = self.bmax, self.nbmax
+        tables = t[3 * b:].view(b, nb)[:batch, : c // self.page]
+        return t[:batch], t[b: b + batch], t[2 * b: 2 * b + batch], tables
 
     def buckets_for(self, n: int, ctx: int) -> tuple[int, int] | None:
         batch = next((b for b in self.batches if b >= n), None)
         if batch is None or ctx > self.max_ctx:
             return None
-        c = 256
+        c = MIN_CTX
         while c < ctx:
             c *= 2
         return batch, min(c, self.max_ctx)
 
-    def run(self, chunks: list[Chunk]) -> torch.Tensor | None:
-        """Logits [len(chunks), vocab] for a decode-only step, or None if no bucket fits."""
+    def run(self, chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(logits [n, vocab], argmax tokens [n]) for a decode-only step, or None if no bucket fits."""
         ctx = max(c.start + 1 for c in chunks)
         buckets = self.buckets_for(len(chunks), ctx)
         if buckets is None:
             return None
-        batch, c = buckets
-        self._fill(chunks, batch, c)
+        self._fill(chunks)
         g = self.graphs.get(buckets)
         if g is None:
-            g = self._capture(batch, c)
+            g = self._capture(*buckets)
             self.graphs[buckets] = g
-            self._fill(chunks, batch, c)  # capture ran the graph on the same buffers; refill
         g.graph.replay()
-        return g.logits[: len(chunks)]
-
-    def _fill(self, chunks: list[Chunk], batch: int, c: int) -> None:
         n = len(chunks)
-        r = self.runner
-        ids = torch.zeros(batch, dtype=torch.long)
-        pos = torch.zeros(batch, dtype=torch.long)
-        slots = torch.zeros(batch, dtype=torch.long)
-        ids[:n] = torch.tensor([ch.seq.token_ids[ch.start] for ch in chunks])
-        pos[:n] = torch.tensor([ch.start for ch in chunks])
-        slots[:n] = torch.tensor([self.kv.slot(ch.seq.block_table, ch.start) for ch in chunks])
-        gather = torch.zeros(batch, c, dtype=torch.long)
-        gather[:n] = r.gather_index([ch.seq.block_table for ch in chunks], c)
-        mask, mask_sliding = r.causal_masks(pos[:, None], pos + 1, c)
-        mask[n:, :, :, 0] = True  # padding rows attend to one (scratch) key: no NaN
-        self.ids[:batch].copy_(ids, non_blocking=True)
-        self.pos[:batch].copy_(pos, non_blocking=True)
-        self.slots[:batch].copy_(slots, non_blocking=True)
-        self.gather[:batch, :c].copy_(gather, non_blocking=True)
-        self.mask[:batch, :, :, :c].copy_(mask, non_blocking=True)
-        if self.mask_sliding is not None:
-            mask_sliding[n:, :, :, 0] = True
-            self.mask_sliding[:batch, :, :, :c].copy_(mask_sliding, non_blocking=True)
+        return g.logits[:n], g.tokens[:n]
+
+    def _fill(self, chunks: list[Chunk]) -> None:
+        h, b, nb = self.host_np, self.bmax, self.nbmax
+        n = len(chunks)
+        h[: 3 * b] = 0  # padding rows: token 0 at position 0, written to scratch slot 0
+        tables = h[3 * b:].reshape(b, nb)
+        for i, ch in enumerate(chunks):
+            table = ch.seq.block_table
+            h[i] = ch.seq.token_ids[ch.start]
+            h[b + i] = ch.start
+            h[2 * b + i] = table[ch.start // self.page] * self.page + ch.start % self.page
+            tables[i, : len(table)] = table[:nb]
+        tables[n:] = 0
+        self.dev.copy_(self.host, non_blocking=True)
 
     def _meta(self, batch: int, c: int) -> AttentionMetadata:
-        sliding = self.mask_sliding[:batch, :, :, :c] if self.mask_sliding is not None else None
-        group = AttnGroup(0, batch, 1, self.gather[:batch, :c], self.mask[:batch, :, :, :c], sliding)
-        return AttentionMetadata(self.slots[:batch], [group])
+        ids, pos, slots, tables = self._views(self.dev, batch, c)
+        window = self.cfg.sliding_window if self.cfg.has_sliding_layers else None
+        if self.use_kernel:
+            return AttentionMetadata(slots, decode=DecodeBatch(tables, pos, c, self.page), window=window)
+        kp = self.kpos[:c]
+        gather = tables[:, kp // self.page] * self.page + kp % self.page
+        mask = (kp[None, :] <= pos[:, None])[:, None, None, :]
+        sliding = mask & ((pos[:, None] - kp[None, :]) < window)[:, None, None, :] if window else None
+        return AttentionMetadata(slots, [AttnGroup(0, batch, 1, gather, mask, sliding)])
 
     @torch.inference_mode()
-    def _forward(self, batch: int, c: int) -> torch.Tensor:
-        hidden, _ = self.model(self.ids[:batch], self.pos[:batch], self.kv.data, self._meta(batch, c))
-        return self.model.logits(hidden)
+    def _forward(self, batch: int, c: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ids, pos, _, _ = self._views(self.dev, batch, c)
+        hidden, _ = self.model(ids, pos, self.kv.data, self._meta(batch, c))
+        logits = self.model.logits(hidden)
+        return logits, logits.argmax(-1)
 
     @torch.inference_mode()
     def _capture(self, batch: int, c: int) -> _Graph:
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            for _ in range(2):  # warm-up outside the graph (cuBLAS handles, autotuning)
+            for _ in range(2):  # warm-up outside the graph (kernel compilation, cuBLAS handles)
                 self._forward(batch, c)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            logits = self._forward(batch, c)
-        log.debug("captured decode graph batch=%d ctx=%d", batch, c)
-        return _Graph(graph, logits)
+            logits, tokens = self._forward(batch, c)
+        log.debug("captured decode graph batch=%d ctx=%d (triton kernel: %s)", batch, c, self.use_kernel)
+        return _Graph(graph, logits, tokens)

@@ -139,16 +139,22 @@ class LLMEngine:
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
-        sampled, logits = self.runner.run(chunks)
-        tokens, logprobs = sample(logits, [self._row(c) for c in sampled])
-        n_before = [c.seq.num_output for c in sampled]
+        sampled, logits, argmax = self.runner.run(chunks)
+        rows = [self._row(c) for c in sampled]
+        if argmax is not None and all(r.params.greedy and not r.params.has_penalties and r.params.logprobs is None
+                                      for r in rows):
+            tokens, logprobs = argmax.tolist(), [None] * len(rows)
+        else:
+            tokens, logprobs = sample(logits, rows)
+        n_before = [len(c.seq.token_ids) for c in sampled]
         finished = set(self.scheduler.postprocess(chunks, sampled, tokens, logprobs))
-        return [StepOutput(c.seq, c.seq.output_ids[n:], c.seq in finished) for c, n in zip(sampled, n_before)]
+        return [StepOutput(c.seq, c.seq.token_ids[n:], c.seq in finished) for c, n in zip(sampled, n_before)]
 
     @staticmethod
     def _row(c: Chunk) -> SampleRow:
         s = c.seq
-        return SampleRow(s.params, s.prompt_ids, s.output_ids, s.generator)
+        # Penalties need the history; copying it every step would cost O(length) for nothing otherwise.
+        return SampleRow(s.params, s.prompt_ids, s.output_ids if s.params.has_penalties else [], s.generator)
 
     # ----- conveniences (CLI, tests, benchmarks) -----------------------------
 

@@ -132,12 +132,45 @@ class ModelRunner:
         hidden, _ = self.model(inputs.input_ids, inputs.positions, self.kv.data, inputs.meta)
         return self.model.logits(hidden[inputs.logit_rows]).float()
 
-    def run(self, chunks: list[Chunk]) -> tuple[list[Chunk], torch.Tensor]:
-        """Forward the chunks; returns the chunks that sample, in logits order."""
-        if self.graphs is not None and all(c.n == 1 and c.start > 0 for c in chunks):
-            logits = self.graphs.run(chunks)
-            if logits is not None:
-                return chunks, logits.float()
+    def run(self, chunks: list[Chunk]) -> tuple[list[Chunk], torch.Tensor, torch.Tensor | None]:
+        """Forward the chunks; returns the chunks that sample (in logits order), their logits,
+        and their argmax tokens when a CUDA graph already computed them."""
+        if self.graphs is not None:
+            decodes = [c for c in chunks if c.n == 1 and c.start > 0]
+            if decodes and len(decodes) == len(chunks):
+                out = self.graphs.run(decodes)
+                if out is not None:
+                    return decodes, out[0], out[1]
+            elif decodes:
+                mixed = self._run_overlapped(decodes, [c for c in chunks if not (c.n == 1 and c.start > 0)])
+                if mixed is not None:
+                    return mixed
         inputs = self.prepare(chunks)
         logits = self.forward(inputs)
-        return [c for c in inputs.order if c.wants_logits], logits
+        return [c for c in inputs.order if c.wants_logits], logits, None
+
+    def _run_overlapped(
+        self, decodes: list[Chunk], prefills: list[Chunk]
+    ) -> tuple[list[Chunk], torch.Tensor, None] | None:
+        """A step with both: prefill chunks run eagerly on a side stream while the
+        decode batch replays its CUDA graph on the main stream."""
+        assert self.graphs is not None
+        if self.graphs.buckets_for(len(decodes), max(c.start + 1 for c in decodes)) is None:
+            return None
+        main = torch.cuda.current_stream(self.device)
+        side = self._side_stream()
+        side.wait_stream(main)  # only what came before this step
+        out = self.graphs.run(decodes)  # captures first if needed, before the side stream gets work
+        with torch.cuda.stream(side):
+            inputs = self.prepare(prefills)
+            prefill_logits = self.forward(inputs)
+        main.wait_stream(side)
+        prefill_logits.record_stream(main)
+        assert out is not None
+        sampled = decodes + [c for c in inputs.order if c.wants_logits]
+        return sampled, torch.cat([out[0].float(), prefill_logits]), None
+
+    def _side_stream(self) -> torch.cuda.Stream:
+        if not hasattr(self, "_stream"):
+            self._stream = torch.cuda.Stream(self.device)
+        return self._stream

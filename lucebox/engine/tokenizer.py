@@ -122,9 +122,14 @@ class Tokenizer:
     def encode(self, text: str, add_special: bool = True) -> list[int]:
         """Token ids for `text`; special-token text in it becomes the special token.
 
-        `add_special` prepends BOS where the model wants one (`add_bos`).
+        `add_special` prepends BOS where the model wants one (`add_bos`). Texts
+        over a few KB go through `encode_batch`, which releases the GIL, so a
+        long prompt tokenized in a worker thread does not stall the event loop.
         """
-        ids = self.hf.encode(text, add_special_tokens=False).ids
+        if len(text) > 4096:
+            ids = self.hf.encode_batch([text], add_special_tokens=False)[0].ids
+        else:
+            ids = self.hf.encode(text, add_special_tokens=False).ids
         if add_special and self.add_bos:
             ids.insert(0, self.bos_id)
         return ids

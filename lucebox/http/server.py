@@ -346,8 +346,10 @@ class HttpServer:
 
     def __init__(self, handler: Handler, *, host: str = "127.0.0.1", port: int = 8080, max_body: int = 64 * MiB,
                  max_header: int = 64 * KiB, header_timeout: float = 30.0, keepalive_timeout: float = 75.0,
-                 cors: bool = True, api_key: str | None = None) -> None:
+                 cors: bool = True, api_key: str | None = None,
+                 on_request: Callable[[str, str, int, dict[str, Any]], None] | None = None) -> None:
         self.handler = handler
+        self.on_request = on_request  # (method, path, status, log fields) after every request, for metrics
         self.host = host
         self.port = port
         self.max_body = max_body
@@ -428,6 +430,11 @@ class HttpServer:
     def _log_request(self, client: tuple[str, int] | None, method: str, path: str, status: int, seconds: float,
                      nbytes: int, fields: dict[str, Any]) -> None:
         """The one INFO line per request: client, method, path, status, duration, body bytes, then key=value."""
+        if self.on_request is not None:
+            try:
+                self.on_request(method, path, status, fields)
+            except Exception:  # metrics must never break serving
+                log.exception("on_request hook failed")
         if not log.isEnabledFor(logging.INFO):
             return
         peer = f"{client[0]}:{client[1]}" if client else "-"
