@@ -95,6 +95,9 @@ class AsyncEngine:
         self._task: asyncio.Task | None = None
         self.num_disconnects = 0
         self.steps = 0
+        # Recent steps as (monotonic end time, ((seq id, start, rows), ...)): for stats and scheduling tests.
+        self.step_log: collections.deque[tuple[float, tuple[tuple[int, int, int], ...]]] = collections.deque(
+            maxlen=4096)
 
     # ----- lifecycle ---------------------------------------------------------
 
@@ -217,6 +220,8 @@ class AsyncEngine:
             if gen is not None and gen.timings.first_scheduled is None:
                 gen.timings.first_scheduled = now
         self.steps += 1
+        if self.engine.last_step:
+            self.step_log.append((time.monotonic(), tuple(self.engine.last_step)))
         return outputs, ended
 
     def _cancel_disconnected(self) -> None:

@@ -84,6 +84,7 @@ class LLMEngine:
             max_model_len=self.n_ctx,
             eos_ids=self.tokenizer.eos_ids,
         )
+        self.last_step: list[tuple[int, int, int]] = []  # (seq id, start, rows) of the last step, for stats
         log.info("KV cache: %d blocks x %d tokens (%.0f MiB)", num_blocks, block_size,
                  self.kv.data.numel() * self.kv.data.element_size() / 2**20)
 
@@ -137,6 +138,7 @@ class LLMEngine:
     def step(self) -> list[StepOutput]:
         """Run one model step; returns the sequences that got a token."""
         chunks = self.scheduler.schedule()
+        self.last_step = [(c.seq.seq_id, c.start, c.n) for c in chunks]
         if not chunks:
             return []
         sampled, logits, argmax = self.runner.run(chunks)

@@ -1,13 +1,17 @@
-"""Building blocks shared by every model family: RMSNorm and rotary embedding."""
+"""Building blocks shared by every model family: RMSNorm and rotary embedding.
+
+Their math is the pure-torch reference in triton_ops.py; on CUDA, RMSNorm runs
+the fused Triton kernel instead (`triton_ops.use_kernels`).
+"""
 
 from __future__ import annotations
 
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from lucebox.engine import triton_ops
 from lucebox.engine.config import RopeScaling
 
 
@@ -24,7 +28,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x.float(), (x.shape[-1],), self.weight, self.eps).to(x.dtype)
+        if triton_ops.use_kernels(x):
+            return triton_ops.rms_norm(x, self.weight, self.eps)  # one kernel instead of cast, norm, cast
+        return triton_ops.rms_norm_ref(x, self.weight, self.eps)
 
 
 def rope_inv_freq(
@@ -87,6 +93,4 @@ class Rotary(nn.Module):
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half RoPE on x [T, heads, head_dim] with cos/sin [T, head_dim]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return torch.addcmul(x * cos[:, None, :], rotated, sin[:, None, :])
+    return triton_ops.apply_rotary_ref(x, cos, sin)

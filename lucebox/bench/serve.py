@@ -1,0 +1,536 @@
+"""`python -m lucebox bench serve`: throughput and latency of the HTTP server under concurrent streaming requests.
+
+The benchmark is a client: it speaks HTTP to a server, either a running one
+(`--url`) or one it starts itself (`python -m lucebox serve` as a subprocess,
+stopped with SIGTERM at the end). The workload is chat requests built from real
+text (SWE-bench problem statements, or the JSONL prompts in ../shared/data),
+each one different so no request can reuse another's cache, trimmed to about
+`--prompt-len` tokens as the server counts them (POST /tokenize), greedy,
+`max_tokens` = `--gen-len`.
+
+For each concurrency level C, N requests run with at most C in flight. Per
+request: TTFT (request sent -> first content delta), inter-token latency (gaps
+between consecutive content deltas), output tokens (the usage the server
+reports). Per level: aggregate output tok/s = all output tokens / the level's
+wall time. The baseline is the same kind of workload run one request at a time
+(no batching); each level's speedup is its tok/s over the baseline's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lucebox.bench.http_client import HttpClientError, SSEFrame, get_json, post_json, request_json, stream_sse
+from lucebox.bench.report import environment, print_table, write_json
+from lucebox.errors import LuceboxError
+from lucebox.progress import Progress
+
+DEFAULT_DATA_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "data"
+INSTRUCTION = "Explain the text above in detail, point by point, and then write a long, thorough answer."
+START_TIMEOUT = 600.0
+"""Seconds to wait for a server to load its model."""
+MIN_BODY_TOKENS = 8
+
+
+# ----- statistics ----------------------------------------------------------------------
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The q-th percentile (q in 0..100), linear between closest ranks (numpy's default); None without values."""
+    if not 0 <= q <= 100:
+        raise ValueError(f"percentile q={q} is not in 0..100")
+    if not values:
+        return None
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def _ms_stats(seconds: Sequence[float]) -> dict[str, float | None]:
+    ms = [s * 1000 for s in seconds]
+    return {"p50": percentile(ms, 50), "p99": percentile(ms, 99), "mean": sum(ms) / len(ms) if ms else None}
+
+
+def parse_levels(text: str) -> list[int]:
+    """`1,4,16` -> [1, 4, 16]; every level a positive integer."""
+    try:
+        levels = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise LuceboxError(f"--concurrency {text!r}: expected comma-separated integers like 1,4,16") from None
+    if not levels or any(c < 1 for c in levels):
+        raise LuceboxError(f"--concurrency {text!r}: every level must be an integer >= 1")
+    return levels
+
+
+# ----- workload ------------------------------------------------------------------------
+
+
+def load_documents(data_dir: Path) -> tuple[list[str], str]:
+    """Real texts to build prompts from, and where they came from.
+
+    SWE-bench problem statements when pyarrow can read the parquet file, else
+    every prompt in prompts/*.jsonl (MT-Bench turns, benchmark messages).
+    """
+    parquet = data_dir / "swe_bench_verified.parquet"
+    if parquet.is_file():
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            pq = None
+        if pq is not None:
+            column = pq.read_table(parquet, columns=["problem_statement"]).column("problem_statement").to_pylist()
+            texts = _unique(t.strip() for t in column if isinstance(t, str))
+            if texts:
+                return texts, f"{parquet} (problem_statement)"
+    texts = []
+    files = sorted((data_dir / "prompts").glob("*.jsonl"))
+    for path in files:
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                texts.extend(_texts_of(json.loads(line)))
+            except ValueError:
+                raise LuceboxError(f"{path}:{n}: not a JSON line") from None
+    texts = _unique(t.strip() for t in texts)
+    if not texts:
+        raise LuceboxError(f"no prompt text in {data_dir}: it needs swe_bench_verified.parquet (read with pyarrow) "
+                           "or prompts/*.jsonl; pass --data-dir")
+    return texts, f"{data_dir / 'prompts'}/*.jsonl"
+
+
+def _texts_of(obj: Any) -> list[str]:
+    if not isinstance(obj, dict):
+        return []
+    out = [t for t in obj.get("turns") or [] if isinstance(t, str)]
+    messages = [m for m in obj.get("messages") or [] if isinstance(m, dict)]
+    out += [m["content"] for m in messages if isinstance(m.get("content"), str)]
+    if isinstance(obj.get("prompt"), str):
+        out.append(obj["prompt"])
+    return out
+
+
+def _unique(texts: Any) -> list[str]:
+    return list(dict.fromkeys(t for t in texts if t))
+
+
+def _head(k: int) -> str:
+    return f"Text {k + 1}:\n"
+
+
+class PromptBuilder:
+    """Builds user messages of about `target` prompt tokens (chat template included) from the documents.
+
+    Message k is `Text k+1:`, then documents k, k+1, ... joined and cut to the
+    token budget (cut by the server's own tokenizer: /tokenize, /detokenize),
+    then INSTRUCTION. The numbered head makes every message differ from its
+    first tokens on, even when there are fewer documents than requests.
+    """
+
+    def __init__(self, base: str, docs: list[str], headers: dict[str, str]) -> None:
+        self.base, self.docs, self.headers = base, docs, headers
+        self._doc_tokens: dict[int, int] = {}
+
+    async def count(self, text: str) -> int:
+        return len(await self.tokenize(text))
+
+    async def tokenize(self, text: str) -> list[int]:
+        return (await post_json(self.base + "/tokenize", {"content": text}, headers=self.headers))["tokens"]
+
+    async def build(self, n: int, target: int, template_tokens: int) -> list[str]:
+        fixed = template_tokens + await self.count(_head(n) + "\n\n" + INSTRUCTION)
+        budget = target - fixed
+        if budget < MIN_BODY_TOKENS:
+            raise LuceboxError(f"--prompt-len {target} is too short: the chat template and the instruction alone take "
+                               f"{fixed} tokens; use at least {fixed + MIN_BODY_TOKENS}")
+        sem = asyncio.Semaphore(8)
+
+        async def one(k: int) -> str:
+            async with sem:
+                return _head(k) + await self._body(k, budget) + "\n\n" + INSTRUCTION
+
+        return list(await asyncio.gather(*(one(k) for k in range(n))))
+
+    async def _body(self, k: int, budget: int) -> str:
+        parts, total, i = [], 0, k
+        while total < budget and i < k + len(self.docs):
+            j = i % len(self.docs)
+            if j not in self._doc_tokens:
+                self._doc_tokens[j] = await self.count(self.docs[j])
+            parts.append(self.docs[j])
+            total += self._doc_tokens[j]
+            i += 1
+        ids = await self.tokenize("\n\n".join(parts))
+        if len(ids) < budget:
+            raise LuceboxError(f"the documents hold only {len(ids)} tokens, fewer than the {budget} a prompt needs: "
+                               "lower --prompt-len or give --data-dir with more text")
+        detok = await post_json(self.base + "/detokenize", {"tokens": ids[:budget]}, headers=self.headers)
+        return detok["content"].strip()
+
+
+# ----- one request ---------------------------------------------------------------------
+
+
+@dataclass
+class RequestResult:
+    start: float = 0.0
+    end: float = 0.0
+    deltas: list[float] = field(default_factory=list)
+    """perf_counter() at the arrival of each frame carrying generated content."""
+    prompt_tokens: int | None = None
+    output_tokens: int | None = None
+    finish: str | None = None
+    done: bool = False
+    """The stream's end marker arrived ([DONE] / message_stop)."""
+    error: str | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        return self.deltas[0] - self.start if self.deltas else None
+
+    @property
+    def itl(self) -> list[float]:
+        return [b - a for a, b in zip(self.deltas, self.deltas[1:])]
+
+
+def chat_body(model: str, content: str, max_tokens: int) -> dict[str, Any]:
+    return {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+
+
+def chat_frame(frame: SSEFrame, r: RequestResult) -> None:
+    """Fold one OpenAI Chat Completions stream frame into the result."""
+    if frame.data == "[DONE]":
+        r.done = True
+        return
+    obj = json.loads(frame.data)
+    if "error" in obj:
+        r.error = f"error in stream: {json.dumps(obj['error'])}"
+        return
+    for choice in obj.get("choices") or []:
+        delta = choice.get("delta") or {}
+        if delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls"):
+            r.deltas.append(frame.time)
+        r.finish = choice.get("finish_reason") or r.finish
+    usage = obj.get("usage")
+    if usage:
+        r.prompt_tokens, r.output_tokens = usage.get("prompt_tokens"), usage.get("completion_tokens")
+
+
+def anthropic_body(model: str, content: str, max_tokens: int) -> dict[str, Any]:
+    return {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True}
+
+
+def anthropic_frame(frame: SSEFrame, r: RequestResult) -> None:
+    """Fold one Anthropic Messages stream frame into the result."""
+    obj = json.loads(frame.data)
+    kind = obj.get("type") or frame.event
+    if kind == "message_start":
+        r.prompt_tokens = obj["message"]["usage"]["input_tokens"]
+    elif kind == "content_block_delta":
+        delta = obj.get("delta") or {}
+        if delta.get("text") or delta.get("thinking") or delta.get("partial_json"):
+            r.deltas.append(frame.time)
+    elif kind == "message_delta":
+        r.output_tokens = (obj.get("usage") or {}).get("output_tokens")
+        r.finish = (obj.get("delta") or {}).get("stop_reason")
+    elif kind == "message_stop":
+        r.done = True
+    elif kind == "error":
+        r.error = f"error in stream: {json.dumps(obj.get('error'))}"
+
+
+@dataclass(frozen=True)
+class Dialect:
+    path: str
+    body: Callable[[str, str, int], dict[str, Any]]
+    on_frame: Callable[[SSEFrame, RequestResult], None]
+
+
+DIALECTS = {
+    "chat": Dialect("/v1/chat/completions", chat_body, chat_frame),
+    "anthropic": Dialect("/v1/messages", anthropic_body, anthropic_frame),
+}
+
+
+async def one_request(base: str, dialect: Dialect, model: str, content: str, max_tokens: int,
+                      headers: dict[str, str]) -> RequestResult:
+    """Stream one request to its end; failures are recorded in the result, not raised."""
+    r = RequestResult(start=time.perf_counter())
+    try:
+        async for frame in stream_sse(base + dialect.path, dialect.body(model, content, max_tokens), headers=headers):
+            dialect.on_frame(frame, r)
+    except HttpClientError as exc:
+        r.error = str(exc)
+    except (ValueError, KeyError, TypeError) as exc:
+        r.error = f"unexpected stream frame: {exc!r}"
+    r.end = time.perf_counter()
+    if r.error is None and not r.done:
+        r.error = "the stream ended without its end marker"
+    if r.error is None and r.output_tokens is None:
+        r.error = "the stream carried no usage (output token count)"
+    return r
+
+
+# ----- one level -----------------------------------------------------------------------
+
+
+@dataclass
+class Level:
+    name: str
+    concurrency: int
+    results: list[RequestResult]
+    wall: float
+
+    @property
+    def ok(self) -> list[RequestResult]:
+        return [r for r in self.results if r.error is None]
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(r.output_tokens or 0 for r in self.ok)
+
+    @property
+    def tok_s(self) -> float:
+        return self.output_tokens / self.wall if self.wall > 0 else 0.0
+
+    def summary(self, baseline_tok_s: float | None) -> dict[str, Any]:
+        ok = self.ok
+        errors = [r.error for r in self.results if r.error is not None]
+        tpot = [(r.deltas[-1] - r.deltas[0]) / (r.output_tokens - 1)
+                for r in ok if len(r.deltas) >= 2 and (r.output_tokens or 0) >= 2]
+        return {
+            "name": self.name,
+            "concurrency": self.concurrency,
+            "requests": len(self.results),
+            "errors": len(errors),
+            "first_error": errors[0] if errors else None,
+            "wall_s": self.wall,
+            "output_tokens": self.output_tokens,
+            "output_tokens_mean": self.output_tokens / len(ok) if ok else None,
+            "prompt_tokens_mean": sum(r.prompt_tokens or 0 for r in ok) / len(ok) if ok else None,
+            "finished_by_length": sum(r.finish in ("length", "max_tokens") for r in ok),
+            "tok_s": self.tok_s,
+            "speedup": self.tok_s / baseline_tok_s if baseline_tok_s else None,
+            "ttft_ms": _ms_stats([r.ttft for r in ok if r.ttft is not None]),
+            "itl_ms": _ms_stats([gap for r in ok for gap in r.itl]),
+            "tpot_ms": _ms_stats(tpot),
+            "latency_ms": _ms_stats([r.end - r.start for r in ok]),
+        }
+
+
+async def run_level(name: str, base: str, dialect: Dialect, model: str, prompts: list[str], concurrency: int,
+                    max_tokens: int, headers: dict[str, str], progress: Progress) -> Level:
+    """All `prompts`, at most `concurrency` in flight; wall time from the first send to the last answer."""
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(content: str) -> RequestResult:
+        async with sem:
+            r = await one_request(base, dialect, model, content, max_tokens, headers)
+        progress.advance()
+        return r
+
+    t = time.perf_counter()
+    results = await asyncio.gather(*(one(p) for p in prompts))
+    level = Level(name, concurrency, list(results), time.perf_counter() - t)
+    errors = [r.error for r in results if r.error is not None]
+    if errors and not level.ok:
+        raise LuceboxError(f"bench serve: every request of '{name}' failed; first: {errors[0]}")
+    if errors:
+        print(f"bench serve: {name}: {len(errors)} of {len(results)} requests failed; first: {errors[0]}",
+              file=sys.stderr)
+    return level
+
+
+# ----- the server ----------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`python -m lucebox serve` on a free local port; its output goes to a temporary log file."""
+
+    def __init__(self, args: argparse.Namespace, max_num_seqs: int) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "lucebox", "serve", "--host", "127.0.0.1", "--port", str(self.port),
+               "--device", args.device, "--dtype", args.dtype, "--max-num-seqs", str(max_num_seqs)]
+        if args.model:
+            cmd += ["--model", str(args.model)]
+        if args.n_ctx:
+            cmd += ["--ctx-size", str(args.n_ctx)]
+        if args.chat_template_file:
+            cmd += ["--chat-template-file", str(args.chat_template_file)]
+        if args.kv_tokens:
+            cmd += ["--kv-tokens", str(args.kv_tokens)]
+        self.cmd = cmd
+        self.log = tempfile.NamedTemporaryFile(prefix="lucebox-bench-serve-", suffix=".log", delete=False)
+        print(f"bench serve: starting {' '.join(cmd)}", file=sys.stderr, flush=True)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+    def exited(self) -> str | None:
+        """None while it runs; else why it stopped, with the end of its log."""
+        code = self.proc.poll()
+        if code is None:
+            return None
+        self.log.flush()
+        tail = Path(self.log.name).read_text(encoding="utf-8", errors="replace").splitlines()[-15:]
+        return f"the server exited with code {code}:\n" + "\n".join("  " + line for line in tail)
+
+    def stop(self) -> None:
+        """SIGTERM (the server finishes in-flight requests and exits), SIGKILL if it hangs."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        os.unlink(self.log.name)
+
+
+async def wait_ready(base: str, server: ServerProcess | None, headers: dict[str, str],
+                     timeout: float = START_TIMEOUT) -> None:
+    """Poll GET /health until it answers 200, printing progress while the model loads."""
+    t0 = last = time.monotonic()
+    while True:
+        try:
+            status, body = await request_json("GET", base + "/health", headers=headers, timeout=10)
+            if status == 200:
+                print(f"bench serve: server ready after {time.monotonic() - t0:.1f} s", file=sys.stderr, flush=True)
+                return
+            if status != 503:
+                raise LuceboxError(f"GET {base}/health -> {status}: {body}")
+        except HttpClientError as exc:
+            if server is None:
+                raise LuceboxError(f"no server at {base}: {exc}") from None
+        if server is not None and (why := server.exited()):
+            raise LuceboxError(why)
+        now = time.monotonic()
+        if now - t0 > timeout:
+            raise LuceboxError(f"the server at {base} was not ready after {timeout:.0f} s")
+        if now - last >= 5:
+            last = now
+            print(f"bench serve: waiting for the server to load the model ({now - t0:.0f} s)", file=sys.stderr,
+                  flush=True)
+        await asyncio.sleep(0.5)
+
+
+# ----- main ----------------------------------------------------------------------------
+
+
+def main(args: argparse.Namespace) -> int:
+    levels = parse_levels(args.concurrency)
+    for name in ("prompt_len", "gen_len", "requests"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise LuceboxError(f"--{name.replace('_', '-')} must be >= 1, not {value}")
+    if args.dialect not in DIALECTS:
+        raise LuceboxError(f"--dialect {args.dialect!r}: one of {', '.join(DIALECTS)}")
+    if args.url and args.model:
+        raise LuceboxError("--url benchmarks a running server, --model starts one: give one or the other")
+    data_dir = Path(args.data_dir) if args.data_dir else DEFAULT_DATA_DIR
+    docs, source = load_documents(data_dir)
+    key = args.api_key or os.environ.get("LUCEBOX_API_KEY")
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+
+    server = None if args.url else ServerProcess(args, args.max_num_seqs or max(levels))
+    base = (args.url or server.url).rstrip("/")  # type: ignore[union-attr]
+    try:
+        payload = asyncio.run(_bench(args, base, server, levels, docs, source, headers))
+    finally:
+        if server is not None:
+            server.stop()
+
+    seq = payload["sequential"]
+    rows = [_row(seq)] + [_row(level) for level in payload["levels"]]
+    model = payload["model"] or {}
+    settings = payload["server"] or {}
+    title = (f"bench serve: {model.get('name', '?')} ({model.get('quant', '?')} file, {model.get('dtype', '?')}) on "
+             f"{model.get('device', '?')}, {args.dialect} dialect, prompt ~{args.prompt_len} tokens, "
+             f"max_tokens {args.gen_len}, server max_num_seqs {settings.get('max_num_seqs', '?')}")
+    print_table(title, ["case", "requests", "errors", "out tok/req", "tok/s", "speedup", "TTFT p50 ms",
+                        "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms"], rows)
+    write_json(args.json, payload)
+    return 0
+
+
+def _row(s: dict[str, Any]) -> list[Any]:
+    return [s["name"], s["requests"], s["errors"], s["output_tokens_mean"], s["tok_s"], s["speedup"],
+            s["ttft_ms"]["p50"], s["ttft_ms"]["p99"], s["itl_ms"]["p50"], s["itl_ms"]["p99"]]
+
+
+async def _bench(args: argparse.Namespace, base: str, server: ServerProcess | None, levels: list[int],
+                 docs: list[str], source: str, headers: dict[str, str]) -> dict[str, Any]:
+    await wait_ready(base, server, headers)
+    props = await get_json(base + "/props", headers=headers)
+    model_id = str(props.get("model_id") or "lucebox")
+    dialect = DIALECTS[args.dialect]
+
+    # Warm-up, which also measures what the chat template adds to a message's tokens.
+    warm = await one_request(base, dialect, model_id, INSTRUCTION, min(args.gen_len, 8), headers)
+    if warm.error is not None:
+        raise LuceboxError(f"the warm-up request failed: {warm.error}")
+    builder = PromptBuilder(base, docs, headers)
+    template_tokens = (warm.prompt_tokens or 0) - await builder.count(INSTRUCTION)
+
+    sizes = [args.requests or max(8, 2 * c) for c in levels]
+    n_seq = args.requests or 8
+    prompts = await builder.build(sum(sizes) + n_seq, args.prompt_len, template_tokens)
+    progress = Progress("bench serve", total=len(prompts), unit="requests")
+    runs: list[Level] = []
+    offset = 0
+    for c, n in zip(levels, sizes):
+        runs.append(await run_level(f"concurrency {c}", base, dialect, model_id, prompts[offset:offset + n], c,
+                                    args.gen_len, headers, progress))
+        offset += n
+    sequential = await run_level("sequential", base, dialect, model_id, prompts[offset:], 1, args.gen_len, headers,
+                                 progress)
+    progress.close()
+
+    model = props.get("model") or {}
+    device = torch.device(model.get("device") or "cpu")
+    try:
+        env = environment(device)
+    except (RuntimeError, AssertionError):  # a CUDA server seen from a client without CUDA
+        env = {**environment(torch.device("cpu")), "device": str(device)}
+    env["server_process"] = "started by the benchmark" if server else "running at --url"
+    return {
+        "benchmark": "serve",
+        "url": base,
+        "server_command": server.cmd if server else None,
+        "dialect": args.dialect,
+        "model": props.get("model"),
+        "model_id": model_id,
+        "server": props.get("server"),
+        "workload": {"source": source, "prompt_len": args.prompt_len, "gen_len": args.gen_len, "temperature": 0,
+                     "template_tokens": template_tokens, "requests_per_level": dict(zip(map(str, levels), sizes)),
+                     "sequential_requests": n_seq},
+        "env": env,
+        "sequential": sequential.summary(sequential.tok_s),
+        "levels": [run.summary(sequential.tok_s) for run in runs],
+    }

@@ -1,0 +1,334 @@
+"""Fused Triton kernels for the decoder's small ops on CUDA, each with the pure-torch reference it must match.
+
+A small model's decode step is bound by kernel launches, not by math: done the
+plain torch way, an RMSNorm is three kernels (cast, norm, cast), rotate-half
+RoPE four, the K/V cache write two, SwiGLU two, each residual add one. Here
+each of those groups is one kernel:
+
+- `rms_norm(x, weight, eps)`: the model's RMSNorm (fp32 math, fp32 weight).
+- `add_rms_norm(x, residual, weight, eps)`: the residual add and the next norm
+  (`h = h + out; x = norm(h)`), optionally RMS-norming `x` first (Gemma 3's
+  sandwich post-norm).
+- `rope_qk_and_cache(qkv, ...)`: splits the fused QKV projection, applies the
+  per-head q/k RMSNorm (Qwen3, Gemma 3) and rotate-half RoPE, writes K and V
+  into the paged cache.
+- `act_mul(gate_up, act)`: SiLU / tanh-GELU of the gate times up.
+
+Every kernel computes in fp32 and rounds to the activation dtype where the
+reference stores a tensor, so it matches the reference to the last bit or
+close to it. They only launch kernels and allocate (no host syncs, shapes come
+from the inputs), so they are safe inside CUDA graph capture, for any number
+of rows T (decode: T = batch; prefill: thousands).
+
+The decoder uses them when `use_kernels(activations)` says so: CUDA tensors,
+triton importable and `ENABLED` (env `LUCEBOX_FUSED_OPS=0` turns them off, as
+does setting `triton_ops.ENABLED = False` before a forward pass; CUDA graphs
+keep what they captured). The references are the CPU path. Tests:
+tests/test_triton_ops.py (CUDA, or the CPU under TRITON_INTERPRET=1).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the references are used
+    triton = None
+
+# Read at forward time: the decoder takes the fused path only while this is True.
+ENABLED = os.environ.get("LUCEBOX_FUSED_OPS", "1") != "0"
+# Tests only: also run the kernels on CPU tensors (requires TRITON_INTERPRET=1, Triton's interpreter).
+ON_CPU = False
+
+ACTS = ("silu", "gelu_tanh")
+
+
+def use_kernels(x: torch.Tensor) -> bool:
+    """Whether the fused kernels should run for activations like `x`."""
+    return ENABLED and triton is not None and (x.is_cuda or (ON_CPU and x.device.type == "cpu"))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# References (pure torch): what the CPU path computes and what the kernels are tested against.
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim in fp32, times the (fp32) weight, back in x's dtype."""
+    return F.rms_norm(x.float(), (x.shape[-1],), weight, eps).to(x.dtype)
+
+
+def add_rms_norm_ref(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, x_weight: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual); with `x_weight`, x is first rms_norm(x, x_weight)."""
+    if x_weight is not None:
+        x = rms_norm_ref(x, x_weight, eps)
+    new_residual = residual + x
+    return rms_norm_ref(new_residual, weight, eps), new_residual
+
+
+def apply_rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE on x [T, heads, head_dim] with cos/sin [T, head_dim]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return torch.addcmul(x * cos[:, None, :], rotated, sin[:, None, :])
+
+
+def rope_qk_and_cache_ref(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    n_q_heads: int,
+    n_kv_heads: int,
+    q_norm_w: torch.Tensor | None = None,
+    k_norm_w: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Reference of `rope_qk_and_cache` (same arguments and results)."""
+    hq, hkv, dim = n_q_heads, n_kv_heads, k_cache.shape[-1]
+    qkv = qkv.view(qkv.shape[0], hq + 2 * hkv, dim)
+    q, k, v = qkv[:, :hq], qkv[:, hq: hq + hkv], qkv[:, hq + hkv:]
+    if q_norm_w is not None:
+        q, k = rms_norm_ref(q, q_norm_w, eps), rms_norm_ref(k, k_norm_w, eps)
+    q, k = apply_rotary_ref(q, cos, sin), apply_rotary_ref(k, cos, sin)
+    k_cache.index_copy_(0, slots, k)
+    v_cache.index_copy_(0, slots, v)
+    return q, k, v
+
+
+def act_mul_ref(gate_up: torch.Tensor, act: str) -> torch.Tensor:
+    """act(gate) * up, where gate_up = [..., 2F] holds the gate in its first half."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")
+    return gate * up
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Kernels
+
+if triton is not None:
+
+    @triton.jit
+    def _rms_norm_kernel(X, W, Y, stride_x, stride_y, n, eps, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n
+        x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+        r = tl.rsqrt(tl.sum(x * x, 0) / n + eps)
+        tl.store(Y + row * stride_y + cols, (x * r * w).to(Y.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _add_rms_norm_kernel(
+        X, R, XW, W, Y, RES, stride_x, stride_r, stride_y, stride_res, n, eps,
+        NORM_X: tl.constexpr, BLOCK: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n
+        x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        if NORM_X:  # Gemma 3's post-norm of the sublayer output, stored in the activation dtype
+            xw = tl.load(XW + cols, mask=mask, other=0.0).to(tl.float32)
+            x = (x * tl.rsqrt(tl.sum(x * x, 0) / n + eps) * xw).to(Y.dtype.element_ty).to(tl.float32)
+        r = tl.load(R + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+        s = (x + r).to(RES.dtype.element_ty)  # the residual stream stays in the activation dtype
+        tl.store(RES + row * stride_res + cols, s, mask=mask)
+        s = s.to(tl.float32)
+        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+        y = s * tl.rsqrt(tl.sum(s * s, 0) / n + eps) * w
+        tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _norm_rope_heads(
+        SRC, NW, OUT, stride_out_h, n_heads, cos_lo, cos_hi, sin_lo, sin_hi, eps,
+        NORM: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr, HEADS_PAD: tl.constexpr,
+    ):
+        """Load `n_heads` heads at SRC (contiguous, head_dim = 2 * HALF), optionally RMS-norm each with NW,
+        rotate, store at OUT; returns the rotated halves (fp32) for the caller to store elsewhere too."""
+        h = tl.arange(0, HEADS_PAD)
+        d = tl.arange(0, HALF_PAD)
+        mask = (h < n_heads)[:, None] & (d < HALF)[None, :]
+        src = SRC + h[:, None] * (2 * HALF) + d[None, :]
+        lo = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+        hi = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+        if NORM:  # per-head RMSNorm (Qwen3, Gemma 3), stored in the activation dtype before RoPE
+            r = tl.rsqrt((tl.sum(lo * lo, 1) + tl.sum(hi * hi, 1)) / (2 * HALF) + eps)[:, None]
+            w_lo = tl.load(NW + d, mask=d < HALF, other=0.0).to(tl.float32)[None, :]
+            w_hi = tl.load(NW + HALF + d, mask=d < HALF, other=0.0).to(tl.float32)[None, :]
+            lo = (lo * r * w_lo).to(OUT.dtype.element_ty).to(tl.float32)
+            hi = (hi * r * w_hi).to(OUT.dtype.element_ty).to(tl.float32)
+        out_lo = lo * cos_lo[None, :] - hi * sin_lo[None, :]
+        out_hi = hi * cos_hi[None, :] + lo * sin_hi[None, :]
+        out = OUT + h[:, None] * stride_out_h + d[None, :]
+        tl.store(out, out_lo.to(OUT.dtype.element_ty), mask=mask)
+        tl.store(out + HALF, out_hi.to(OUT.dtype.element_ty), mask=mask)
+        return out_lo, out_hi
+
+    @triton.jit
+    def _rope_qk_cache_kernel(
+        QKV, COS, SIN, SLOTS, QNW, KNW, Q, K, KC, VC,
+        stride_qkv, stride_cos, stride_sin, stride_q_t, stride_q_h, stride_k_t, stride_k_h,
+        stride_kc_s, stride_kc_h, stride_vc_s, stride_vc_h, eps,
+        HQ: tl.constexpr, HKV: tl.constexpr, HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr,
+        HALF: tl.constexpr, HALF_PAD: tl.constexpr, QK_NORM: tl.constexpr,
+    ):
+        t = tl.program_id(0).to(tl.int64)
+        d = tl.arange(0, HALF_PAD)
+        dm = d < HALF
+        cos_lo = tl.load(COS + t * stride_cos + d, mask=dm, other=0.0).to(tl.float32)
+        cos_hi = tl.load(COS + t * stride_cos + HALF + d, mask=dm, other=0.0).to(tl.float32)
+        sin_lo = tl.load(SIN + t * stride_sin + d, mask=dm, other=0.0).to(tl.float32)
+        sin_hi = tl.load(SIN + t * stride_sin + HALF + d, mask=dm, other=0.0).to(tl.float32)
+        row = QKV + t * stride_qkv
+        _norm_rope_heads(row, QNW, Q + t * stride_q_t, stride_q_h, HQ, cos_lo, cos_hi, sin_lo, sin_hi, eps,
+                         QK_NORM, HALF, HALF_PAD, HQ_PAD)
+        k_lo, k_hi = _norm_rope_heads(row + HQ * 2 * HALF, KNW, K + t * stride_k_t, stride_k_h, HKV,
+                                      cos_lo, cos_hi, sin_lo, sin_hi, eps, QK_NORM, HALF, HALF_PAD, HKV_PAD)
+        # The new rows' K (rotated) and V (as projected) go into the paged cache at their slots.
+        slot = tl.load(SLOTS + t).to(tl.int64)
+        h = tl.arange(0, HKV_PAD)
+        mask = (h < HKV)[:, None] & dm[None, :]
+        kc = KC + slot * stride_kc_s + h[:, None] * stride_kc_h + d[None, :]
+        tl.store(kc, k_lo.to(KC.dtype.element_ty), mask=mask)
+        tl.store(kc + HALF, k_hi.to(KC.dtype.element_ty), mask=mask)
+        v = row + (HQ + HKV) * 2 * HALF + h[:, None] * (2 * HALF) + d[None, :]
+        vc = VC + slot * stride_vc_s + h[:, None] * stride_vc_h + d[None, :]
+        tl.store(vc, tl.load(v, mask=mask, other=0.0).to(VC.dtype.element_ty), mask=mask)
+        tl.store(vc + HALF, tl.load(v + HALF, mask=mask, other=0.0).to(VC.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _act_mul_kernel(GU, OUT, stride_gu, stride_out, n, GELU: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < n
+        g = tl.load(GU + row * stride_gu + cols, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(GU + row * stride_gu + n + cols, mask=mask, other=0.0).to(tl.float32)
+        if GELU:
+            # 0.5 g (1 + tanh(z)) == g * sigmoid(2 z), z = sqrt(2 / pi) (g + 0.044715 g^3)
+            a = g * tl.sigmoid(1.5957691216057308 * (g + 0.044715 * g * g * g))
+        else:
+            a = g * tl.sigmoid(g)
+        a = a.to(OUT.dtype.element_ty).to(tl.float32)  # the reference stores act(gate) before the product
+        tl.store(OUT + row * stride_out + cols, (a * u).to(OUT.dtype.element_ty), mask=mask)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as [rows, last dim] with unit stride along the last dim (a view when possible)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def _norm_launch(n: int) -> tuple[int, int]:
+    block = triton.next_power_of_2(n)
+    return block, 4 if block <= 1024 else 8 if block <= 4096 else 16
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`rms_norm_ref` in one kernel: x [..., N] (fp32/fp16/bf16), weight [N]; returns x's shape and dtype."""
+    n = x.shape[-1]
+    if weight.shape != (n,):
+        raise ValueError(f"rms_norm: weight shape {tuple(weight.shape)} does not fit hidden size {n}")
+    x2 = _rows(x)
+    y = torch.empty_like(x2)
+    block, warps = _norm_launch(n)
+    _rms_norm_kernel[(x2.shape[0],)](x2, weight, y, x2.stride(0), y.stride(0), n, eps, BLOCK=block,
+                                     num_warps=warps)
+    return y.view(x.shape)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, x_weight: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`add_rms_norm_ref` in one kernel: returns (normed, new_residual), both shaped and typed like x.
+
+    This is the block's `h = h + sublayer_out; x = norm(h)`; `x_weight` (Gemma 3) post-norms the sublayer
+    output first.
+    """
+    n = x.shape[-1]
+    if residual.shape != x.shape or residual.dtype != x.dtype:
+        raise ValueError(f"add_rms_norm: residual {tuple(residual.shape)} {residual.dtype} does not match "
+                         f"x {tuple(x.shape)} {x.dtype}")
+    if weight.shape != (n,) or (x_weight is not None and x_weight.shape != (n,)):
+        raise ValueError(f"add_rms_norm: norm weights must have shape ({n},)")
+    x2, r2 = _rows(x), _rows(residual)
+    y, res = torch.empty_like(x2), torch.empty_like(x2)
+    block, warps = _norm_launch(n)
+    _add_rms_norm_kernel[(x2.shape[0],)](
+        x2, r2, weight if x_weight is None else x_weight, weight, y, res,
+        x2.stride(0), r2.stride(0), y.stride(0), res.stride(0), n, eps,
+        NORM_X=x_weight is not None, BLOCK=block, num_warps=warps,
+    )
+    return y.view(x.shape), res.view(x.shape)
+
+
+def rope_qk_and_cache(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    n_q_heads: int,
+    n_kv_heads: int,
+    q_norm_w: torch.Tensor | None = None,
+    k_norm_w: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The attention input of the new rows, in one kernel.
+
+    qkv [T, (Hq + 2 Hkv) * D]: the fused QKV projection (q heads, then k, then v). cos/sin [T, D].
+    Optionally RMS-norms each q and k head (q_norm_w / k_norm_w [D], both or neither), rotates q and k
+    (rotate-half RoPE), and writes k and v into the caches [slots, Hkv, D] at rows `slots` [T] (int64).
+    Returns q [T, Hq, D] and k [T, Hkv, D] (rotated, new tensors) and v [T, Hkv, D] (a view of qkv):
+    decode attention reads only q (k/v come from the cache), prefill attention over the new rows uses all three.
+    """
+    hq, hkv = n_q_heads, n_kv_heads
+    t, dim = qkv.shape[0], k_cache.shape[-1]
+    if qkv.dim() != 2 or qkv.shape[1] != (hq + 2 * hkv) * dim:
+        raise ValueError(f"rope_qk_and_cache: qkv {tuple(qkv.shape)} is not [T, ({hq} + 2 * {hkv}) * {dim}]")
+    if dim % 2 or cos.shape != (t, dim) or sin.shape != (t, dim) or slots.shape != (t,):
+        raise ValueError(f"rope_qk_and_cache: cos/sin must be [{t}, {dim}] (even head_dim), slots [{t}]")
+    if k_cache.shape[1:] != (hkv, dim) or v_cache.shape[1:] != (hkv, dim):
+        raise ValueError(f"rope_qk_and_cache: caches must be [slots, {hkv}, {dim}]")
+    if (q_norm_w is None) != (k_norm_w is None):
+        raise ValueError("rope_qk_and_cache: give both q_norm_w and k_norm_w, or neither")
+    if qkv.stride(1) != 1:
+        qkv = qkv.contiguous()
+    cos, sin = _rows(cos), _rows(sin)
+    q = torch.empty(t, hq, dim, dtype=qkv.dtype, device=qkv.device)
+    k = torch.empty(t, hkv, dim, dtype=qkv.dtype, device=qkv.device)
+    half = dim // 2
+    norm = q_norm_w is not None
+    _rope_qk_cache_kernel[(t,)](
+        qkv, cos, sin, slots, q_norm_w if norm else cos, k_norm_w if norm else cos, q, k, k_cache, v_cache,
+        qkv.stride(0), cos.stride(0), sin.stride(0), q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), eps,
+        HQ=hq, HKV=hkv, HQ_PAD=max(2, triton.next_power_of_2(hq)), HKV_PAD=max(2, triton.next_power_of_2(hkv)),
+        HALF=half, HALF_PAD=max(2, triton.next_power_of_2(half)), QK_NORM=norm,
+        num_warps=4 if hq * dim <= 4096 else 8,
+    )
+    v = qkv.view(t, hq + 2 * hkv, dim)[:, hq + hkv:]
+    return q, k, v
+
+
+def act_mul(gate_up: torch.Tensor, act: str) -> torch.Tensor:
+    """`act_mul_ref` in one kernel: gate_up [T, 2F] -> act(gate) * up [T, F]; act is "silu" or "gelu_tanh"."""
+    if act not in ACTS:
+        raise ValueError(f"act_mul: unknown activation {act!r} (expected one of {ACTS})")
+    if gate_up.shape[-1] % 2:
+        raise ValueError(f"act_mul: gate_up's last dim {gate_up.shape[-1]} is odd")
+    gu = _rows(gate_up)
+    n = gu.shape[1] // 2
+    out = torch.empty(gu.shape[0], n, dtype=gu.dtype, device=gu.device)
+    block = min(1024, triton.next_power_of_2(n))
+    _act_mul_kernel[(gu.shape[0], triton.cdiv(n, block))](gu, out, gu.stride(0), out.stride(0), n,
+                                                          GELU=act == "gelu_tanh", BLOCK=block, num_warps=4)
+    return out.view(*gate_up.shape[:-1], n)
