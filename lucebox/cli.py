@@ -69,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--show-ids", action="store_true", help="print the generated token ids on stderr at the end")
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("bench", help="benchmarks (decode)")
+    p = sub.add_parser("bench", help="benchmarks (decode, serve)")
     bench = p.add_subparsers(dest="bench", required=True)
     b = bench.add_parser("decode", help="prefill and decode tok/s, this engine vs transformers")
     add_engine_args(b)
@@ -79,6 +79,27 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     b.add_argument("--json", type=Path, default=Path("bench_decode.json"), help="where to write the results")
     b.set_defaults(func=_lazy("lucebox.bench.decode", "main"))
+
+    b = bench.add_parser("serve", help="serving throughput and latency: concurrent streaming requests over HTTP")
+    add_engine_args(b)
+    b.add_argument("--url", default=None,
+                   help="benchmark this running server (http://host:port) instead of starting one")
+    b.add_argument("--max-num-seqs", type=int, default=None,
+                   help="the started server's batch size (default: the largest --concurrency)")
+    b.add_argument("--kv-tokens", type=int, default=None, help="the started server's KV cache size in tokens")
+    b.add_argument("--concurrency", default="1,4,16,64", help="requests in flight; one level per value")
+    b.add_argument("--prompt-len", type=int, default=256,
+                   help="prompt tokens per request, chat template included (about)")
+    b.add_argument("--gen-len", type=int, default=128, help="max_tokens per request")
+    b.add_argument("--requests", type=int, default=None,
+                   help="requests per level (default max(8, 2 x concurrency); the sequential baseline runs this "
+                        "many, default 8)")
+    b.add_argument("--dialect", choices=["chat", "anthropic"], default="chat")
+    b.add_argument("--data-dir", type=Path, default=None,
+                   help="folder with swe_bench_verified.parquet or prompts/*.jsonl (default ../shared/data)")
+    b.add_argument("--api-key", default=None, help="key to send (default: env LUCEBOX_API_KEY)")
+    b.add_argument("--json", type=Path, default=Path("bench_serve.json"), help="where to write the results")
+    b.set_defaults(func=_lazy("lucebox.bench.serve", "main"))
     return parser
 
 

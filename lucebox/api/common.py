@@ -132,6 +132,7 @@ def sampling_from_body(body: dict, card: ModelCard | None, *, logprobs: int | No
         repetition_penalty=float(pick("repetition_penalty", float, 1.0)),
         seed=field_of(body, "seed", int),
         logprobs=logprobs,
+        ignore_eos=bool(field_of(body, "ignore_eos", bool, False)),  # vLLM's extension, for benchmarks
     )
     if params.top_k < 0:
         params.top_k = 0  # -1 means "off" in several clients

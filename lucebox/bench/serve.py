@@ -213,7 +213,7 @@ class RequestResult:
 
 def chat_body(model: str, content: str, max_tokens: int) -> dict[str, Any]:
     return {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
 
 
 def chat_frame(frame: SSEFrame, r: RequestResult) -> None:
@@ -237,7 +237,7 @@ def chat_frame(frame: SSEFrame, r: RequestResult) -> None:
 
 def anthropic_body(model: str, content: str, max_tokens: int) -> dict[str, Any]:
     return {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
-            "temperature": 0, "stream": True}
+            "temperature": 0, "stream": True, "ignore_eos": True}
 
 
 def anthropic_frame(frame: SSEFrame, r: RequestResult) -> None:

@@ -8,19 +8,23 @@ model or the KV cache.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from lucebox.engine.kv_cache import KVCache
 from lucebox.engine.loader import LoadedModel, load_model
 from lucebox.engine.model_runner import ModelRunner
-from lucebox.engine.sampler import SampleRow, SamplingParams, make_generator, sample
+from lucebox.engine.sampler import SampleRow, SamplingParams, TokenLogprobs, make_generator, sample
 from lucebox.engine.scheduler import Scheduler
 from lucebox.engine.sequence import Chunk, Sequence
 from lucebox.errors import LuceboxError
+
+if TYPE_CHECKING:
+    from lucebox.engine.spec.dflash import SpecDecoder
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +42,9 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_step_tokens: int = 2048  # prefill chunk budget per step
     cuda_graphs: bool = True  # decode-only steps as CUDA graph replays (CUDA only)
+    draft: str | None = None  # DFlash drafter folder; None = plain decoding
+    ddtree: bool = False  # verify a draft tree instead of a chain
+    ddtree_budget: int = 22  # tree nodes per verification
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":
@@ -85,6 +92,10 @@ class LLMEngine:
             eos_ids=self.tokenizer.eos_ids,
         )
         self.last_step: list[tuple[int, int, int]] = []  # (seq id, start, rows) of the last step, for stats
+        self.spec: SpecDecoder | None = None
+        if self.config.draft:
+            self.enable_speculation(Path(self.config.draft), ddtree=self.config.ddtree,
+                                    budget=self.config.ddtree_budget)
         log.info("KV cache: %d blocks x %d tokens (%.0f MiB)", num_blocks, block_size,
                  self.kv.data.numel() * self.kv.data.element_size() / 2**20)
 
@@ -94,6 +105,18 @@ class LLMEngine:
         device = config.resolve_device()
         loaded = load_model(Path(path), device=device, dtype=config.resolve_dtype(device), quiet=quiet)
         return cls(loaded, config)
+
+    def enable_speculation(self, draft: Path, *, ddtree: bool = False, budget: int = 22) -> None:
+        """Load a DFlash drafter for this target; decode steps then draft and verify."""
+        from lucebox.engine.spec.dflash import SpecDecoder
+        from lucebox.engine.spec.drafter import load_drafter
+
+        drafter = load_drafter(draft, self.model_config, self.device, self.loaded.dtype)
+        self.spec = SpecDecoder(drafter, self.loaded.model, self.kv, ddtree=ddtree, budget=budget)
+        self.scheduler.decode_rows = self.spec.rows_per_step
+        self.scheduler.on_release = self.spec.release
+        log.info("speculative decoding: DFlash drafter %s (%d layers, block %d)%s", draft,
+                 drafter.cfg.num_layers, drafter.cfg.block_size, f", DDTree budget {budget}" if ddtree else "")
 
     def _default_kv_tokens(self) -> int:
         """Room for a few full-context sequences, within a memory budget."""
@@ -141,6 +164,8 @@ class LLMEngine:
         self.last_step = [(c.seq.seq_id, c.start, c.n) for c in chunks]
         if not chunks:
             return []
+        if self.spec is not None:
+            return self._spec_step(chunks)
         sampled, logits, argmax = self.runner.run(chunks)
         rows = [self._row(c) for c in sampled]
         if argmax is not None and all(r.params.greedy and not r.params.has_penalties and r.params.logprobs is None
@@ -151,6 +176,53 @@ class LLMEngine:
         n_before = [len(c.seq.token_ids) for c in sampled]
         finished = set(self.scheduler.postprocess(chunks, sampled, tokens, logprobs))
         return [StepOutput(c.seq, c.seq.token_ids[n:], c.seq in finished) for c, n in zip(sampled, n_before)]
+
+    def _spec_step(self, chunks: list[Chunk]) -> list[StepOutput]:
+        """Draft for the decoding sequences, verify every draft and run the prefill chunks in one forward."""
+        spec = self.spec
+        assert spec is not None
+        decodes = [c for c in chunks if c.n == 1 and c.start > 0]
+        others = [c for c in chunks if not (c.n == 1 and c.start > 0)]
+        verify = spec.propose(decodes) if decodes else []
+        result = self.runner.forward(self.runner.prepare(verify + others), capture=spec.capture)
+        outputs = []
+        for i, c in enumerate(result.inputs.order):
+            seq = c.seq
+            n_before = len(seq.token_ids)
+            if c.verify:
+                lps: list[TokenLogprobs | None] = []
+                choose = self._chooser(seq, result.chunk_logits(i), lps)
+                tokens = spec.accept(c, result.chunk_logits(i), result.chunk_features(i), choose)
+                finished = self.scheduler.commit(seq, self._within_limit(seq, tokens), lps)
+            else:
+                spec.extend_context(seq, c.start, result.chunk_features(i))
+                seq.num_computed = c.start + c.n
+                if not c.wants_logits:
+                    continue
+                toks, lps = sample(result.chunk_logits(i), [self._row(c)])
+                finished = self.scheduler.commit(seq, toks, lps)
+            outputs.append(StepOutput(seq, seq.token_ids[n_before:], finished))
+        return outputs
+
+    def _chooser(self, seq: Sequence, logits: torch.Tensor,
+                 lps: list[TokenLogprobs | None]) -> Callable[[int, list[int]], int]:
+        """The target's choice at a verified row, as plain decoding would make it there."""
+        p = seq.params
+        if p.greedy and not p.has_penalties and p.logprobs is None:
+            best = logits.argmax(-1).tolist()
+            return lambda row, accepted: best[row]
+
+        def choose(row: int, accepted: list[int]) -> int:
+            history = seq.output_ids + accepted if p.has_penalties else []
+            toks, lp = sample(logits[row: row + 1], [SampleRow(p, seq.prompt_ids, history, seq.generator)])
+            lps.append(lp[0])
+            return toks[0]
+
+        return choose
+
+    @staticmethod
+    def _within_limit(seq: Sequence, tokens: list[int]) -> list[int]:
+        return tokens[: max(seq.params.max_tokens - seq.num_output, 0)]
 
     @staticmethod
     def _row(c: Chunk) -> SampleRow:

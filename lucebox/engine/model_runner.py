@@ -1,9 +1,11 @@
 """Turn a scheduled batch of chunks into one model forward pass.
 
 The runner owns the model and the KV tensors. For each step it lays the rows
-out flat (decode rows first as one batched attention group, then one group
-per prefill chunk), builds the slot mapping, gather indices and masks once,
-runs the model, and returns the logits of the rows that sample.
+out flat — decode rows first (one batched attention group), then the
+speculative verification rows (one batched group, q_len = block or tree
+size, tree masks), then one group per prefill chunk — builds the slot
+mapping, gather indices and masks once, runs the model, and returns the
+logits of the rows that sample (and, for DFlash, the chosen layers' outputs).
 """
 
 from __future__ import annotations
@@ -26,6 +28,32 @@ class StepInputs:
     meta: AttentionMetadata
     logit_rows: torch.Tensor  # rows (of the flat layout) whose logits are wanted
     order: list[Chunk]  # chunks in layout order
+    row_starts: list[int]  # first flat row of each chunk in `order`
+    logit_starts: list[int]  # first logits row of each chunk in `order` (-1: none)
+
+
+@dataclass
+class StepResult:
+    """One forward pass: logits of the sampling rows, and captured layer outputs when asked."""
+
+    inputs: StepInputs
+    logits: torch.Tensor  # [n_logit_rows, vocab]
+    features: list[torch.Tensor]  # one [T, hidden] per captured layer (all rows), or []
+
+    def chunk_logits(self, i: int) -> torch.Tensor:
+        """Logits of chunk `i` (layout order): every row for a verification, else its last row."""
+        c = self.inputs.order[i]
+        start = self.inputs.logit_starts[i]
+        return self.logits[start: start + (c.n if c.verify else 1)]
+
+    def chunk_features(self, i: int) -> list[torch.Tensor]:
+        start = self.inputs.row_starts[i]
+        n = self.inputs.order[i].n
+        return [f[start: start + n] for f in self.features]
+
+
+def _is_decode(c: Chunk) -> bool:
+    return c.n == 1 and c.start > 0 and not c.verify
 
 
 class ModelRunner:
@@ -48,28 +76,44 @@ class ModelRunner:
     # ----- input preparation -------------------------------------------------
 
     def prepare(self, chunks: list[Chunk]) -> StepInputs:
-        decodes = [c for c in chunks if c.n == 1 and c.start > 0]
-        prefills = [c for c in chunks if not (c.n == 1 and c.start > 0)]
-        order = decodes + prefills
+        decodes = [c for c in chunks if _is_decode(c)]
+        verifies = [c for c in chunks if c.verify]
+        prefills = [c for c in chunks if not _is_decode(c) and not c.verify]
+        if len({c.n for c in verifies}) > 1:
+            raise ValueError("verification chunks of one step must have the same size")
+        order = decodes + verifies + prefills
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
         logit_rows: list[int] = []
+        row_starts: list[int] = []
+        logit_starts: list[int] = []
         for c in order:
-            ids.extend(c.seq.token_ids[c.start:c.start + c.n])
-            pos.extend(range(c.start, c.start + c.n))
+            row_starts.append(len(ids))
+            ids.extend(c.input_ids())
+            pos.extend(c.start + d for d in c.depths())
             slots.extend(self.kv.slots(c.seq.block_table, c.start, c.start + c.n))
-            if c.wants_logits:
+            if c.verify:
+                logit_starts.append(len(logit_rows))
+                logit_rows.extend(range(len(ids) - c.n, len(ids)))
+            elif c.wants_logits:
+                logit_starts.append(len(logit_rows))
                 logit_rows.append(len(ids) - 1)
+            else:
+                logit_starts.append(-1)
         meta = AttentionMetadata(slot_mapping=self._tensor(slots))
         row = 0
         if decodes:
             meta.groups.append(self._batched_group(row, decodes, q_len=1))
             row += len(decodes)
+        if verifies:
+            meta.groups.append(self._verify_group(row, verifies))
+            row += sum(c.n for c in verifies)
         for c in prefills:
             meta.groups.append(self._prefill_group(row, c))
             row += c.n
-        return StepInputs(self._tensor(ids), self._tensor(pos), meta, self._tensor(logit_rows), order)
+        return StepInputs(self._tensor(ids), self._tensor(pos), meta, self._tensor(logit_rows), order,
+                          row_starts, logit_starts)
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
@@ -83,6 +127,32 @@ class ModelRunner:
         q_pos = torch.stack([torch.arange(c.start, c.start + q_len) for c in chunks])  # [G, q_len]
         mask, mask_sliding = self.causal_masks(q_pos, ctx_t, max_ctx)
         return AttnGroup(row_start, len(chunks), q_len, self._dev(gather), self._dev(mask), self._dev(mask_sliding))
+
+    def _verify_group(self, row_start: int, chunks: list[Chunk]) -> AttnGroup:
+        """Draft rows after a cached context: row i sees the context and its tree ancestors (and itself).
+
+        Row i of sequence g sits in cache slot `start + i` but at RoPE position
+        `start + depth(i)`; a chain is the tree whose ancestors are all earlier rows.
+        """
+        n = chunks[0].n
+        max_ctx = max(c.start + n for c in chunks)
+        gather = self.gather_index([c.seq.block_table for c in chunks], max_ctx)
+        k_idx = torch.arange(max_ctx)
+        masks, slides = [], []
+        for c in chunks:
+            depth = torch.tensor(c.depths())
+            anc = ancestor_matrix(c.parents if c.parents is not None else list(range(-1, n - 1)))
+            allowed = torch.zeros(n, max_ctx, dtype=torch.bool)
+            allowed[:, : c.start] = True
+            allowed[:, c.start: c.start + n] = anc
+            masks.append(allowed)
+            if self.cfg.has_sliding_layers:
+                q_pos = c.start + depth
+                k_pos = torch.where(k_idx < c.start, k_idx, c.start + depth[(k_idx - c.start).clamp(0, n - 1)])
+                slides.append(allowed & ((q_pos[:, None] - k_pos[None, :]) < self.cfg.sliding_window))
+        mask = torch.stack(masks)[:, None]
+        sliding = torch.stack(slides)[:, None] if slides else None
+        return AttnGroup(row_start, len(chunks), n, self._dev(gather), self._dev(mask), self._dev(sliding))
 
     def _prefill_group(self, row_start: int, c: Chunk) -> AttnGroup:
         q_pos = torch.arange(c.start, c.start + c.n)[None]
@@ -127,27 +197,26 @@ class ModelRunner:
     # ----- execution ---------------------------------------------------------
 
     @torch.inference_mode()
-    def forward(self, inputs: StepInputs) -> torch.Tensor:
-        """Logits [n_logit_rows, vocab] in fp32."""
-        hidden, _ = self.model(inputs.input_ids, inputs.positions, self.kv.data, inputs.meta)
-        return self.model.logits(hidden[inputs.logit_rows]).float()
+    def forward(self, inputs: StepInputs, capture: tuple[int, ...] = ()) -> StepResult:
+        hidden, features = self.model(inputs.input_ids, inputs.positions, self.kv.data, inputs.meta, capture=capture)
+        logits = self.model.logits(hidden[inputs.logit_rows]).float()
+        return StepResult(inputs, logits, features)
 
     def run(self, chunks: list[Chunk]) -> tuple[list[Chunk], torch.Tensor, torch.Tensor | None]:
         """Forward the chunks; returns the chunks that sample (in logits order), their logits,
         and their argmax tokens when a CUDA graph already computed them."""
         if self.graphs is not None:
-            decodes = [c for c in chunks if c.n == 1 and c.start > 0]
+            decodes = [c for c in chunks if _is_decode(c)]
             if decodes and len(decodes) == len(chunks):
                 out = self.graphs.run(decodes)
                 if out is not None:
                     return decodes, out[0], out[1]
             elif decodes:
-                mixed = self._run_overlapped(decodes, [c for c in chunks if not (c.n == 1 and c.start > 0)])
+                mixed = self._run_overlapped(decodes, [c for c in chunks if not _is_decode(c)])
                 if mixed is not None:
                     return mixed
-        inputs = self.prepare(chunks)
-        logits = self.forward(inputs)
-        return [c for c in inputs.order if c.wants_logits], logits, None
+        result = self.forward(self.prepare(chunks))
+        return [c for c in result.inputs.order if c.wants_logits], result.logits, None
 
     def _run_overlapped(
         self, decodes: list[Chunk], prefills: list[Chunk]
@@ -162,15 +231,24 @@ class ModelRunner:
         side.wait_stream(main)  # only what came before this step
         out = self.graphs.run(decodes)  # captures first if needed, before the side stream gets work
         with torch.cuda.stream(side):
-            inputs = self.prepare(prefills)
-            prefill_logits = self.forward(inputs)
+            result = self.forward(self.prepare(prefills))
         main.wait_stream(side)
-        prefill_logits.record_stream(main)
+        result.logits.record_stream(main)
         assert out is not None
-        sampled = decodes + [c for c in inputs.order if c.wants_logits]
-        return sampled, torch.cat([out[0].float(), prefill_logits]), None
+        sampled = decodes + [c for c in result.inputs.order if c.wants_logits]
+        return sampled, torch.cat([out[0].float(), result.logits]), None
 
     def _side_stream(self) -> torch.cuda.Stream:
         if not hasattr(self, "_stream"):
             self._stream = torch.cuda.Stream(self.device)
         return self._stream
+
+
+def ancestor_matrix(parents: list[int]) -> torch.Tensor:
+    """[n, n] bool: entry (i, j) is True when row j is row i or one of its ancestors (parents precede children)."""
+    n = len(parents)
+    anc = torch.eye(n, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        if p >= 0:
+            anc[i] |= anc[p]
+    return anc

@@ -16,7 +16,7 @@ thread. Policy:
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from lucebox.engine.kv_cache import KVCache
 from lucebox.engine.sampler import TokenLogprobs
@@ -41,6 +41,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.decode_rows = 1  # rows a decoding sequence brings to a step (speculative: block or tree size)
+        self.on_release: Callable[[Sequence], None] | None = None  # frees per-sequence state elsewhere (drafter)
 
     # ----- queue -------------------------------------------------------------
 
@@ -71,7 +73,7 @@ class Scheduler:
         for seq in decoding:
             if seq.is_finished or seq not in self.running:
                 continue  # preempted to make room for an earlier one
-            if not self._reserve(seq, seq.num_computed + 1, chunks):
+            if not self._reserve(seq, seq.num_computed + self.decode_rows, chunks):
                 continue
             chunks.append(Chunk(seq, seq.num_computed, 1))
             budget -= 1
@@ -117,6 +119,8 @@ class Scheduler:
         self.running.remove(seq)
         self.kv.pool.decref(seq.block_table)
         seq.block_table = []
+        if self.on_release is not None:
+            self.on_release(seq)
         seq.num_computed = 0
         seq.num_cached = 0
         seq.status = SeqStatus.WAITING
@@ -149,6 +153,19 @@ class Scheduler:
                 finished.append(seq)
         return finished
 
+    def commit(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprobs | None] | None = None) -> bool:
+        """Append several tokens (speculative step), stopping at EOS or the length limit; True if finished."""
+        for i, tok in enumerate(tokens):
+            seq.token_ids.append(tok)
+            if logprobs and logprobs[i] is not None:
+                seq.logprobs.append(logprobs[i])
+            reason = self.stop_reason(seq, tok)
+            if reason:
+                self.running.remove(seq)
+                self._finish(seq, reason)
+                return True
+        return False
+
     def stop_reason(self, seq: Sequence, tok: int) -> str | None:
         p = seq.params
         if not p.ignore_eos and tok in self.eos_ids or tok in p.stop_token_ids:
@@ -163,3 +180,5 @@ class Scheduler:
         if seq.block_table:
             self.kv.pool.decref(seq.block_table)
             seq.block_table = []
+        if self.on_release is not None:
+            self.on_release(seq)

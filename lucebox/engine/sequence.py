@@ -35,6 +35,9 @@ class Sequence:
     # Tokens to append instead of the next sampled one (e.g. a forced `</think>`
     # when a thinking budget runs out); the model then prefills them.
     forced_tokens: list[int] = field(default_factory=list)
+    # DFlash: the sequence's blocks in the drafter's KV cache and how many positions they hold.
+    draft_block_table: list[int] = field(default_factory=list)
+    draft_len: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -64,13 +67,37 @@ class Sequence:
 
 @dataclass
 class Chunk:
-    """The rows one sequence brings to one step: token_ids[start:start+n]."""
+    """The rows one sequence brings to one step: token_ids[start:start+n] (or `tokens`).
+
+    Speculative verification brings rows that are not (yet) the sequence's
+    tokens: `tokens` holds them (the last committed token, then the draft),
+    `parents` the draft tree (row i's parent row; -1 for the root; a chain is
+    parents [-1, 0, 1, ...]) and every row's logits are wanted.
+    """
 
     seq: Sequence
     start: int
     n: int
+    tokens: list[int] | None = None
+    parents: list[int] | None = None
+
+    @property
+    def verify(self) -> bool:
+        return self.tokens is not None
 
     @property
     def wants_logits(self) -> bool:
-        """Only the step that reaches the end of the known tokens samples."""
-        return self.start + self.n == len(self.seq.token_ids)
+        """Only the step that reaches the end of the known tokens samples (verification: every row)."""
+        return self.verify or self.start + self.n == len(self.seq.token_ids)
+
+    def input_ids(self) -> list[int]:
+        return self.tokens if self.tokens is not None else self.seq.token_ids[self.start:self.start + self.n]
+
+    def depths(self) -> list[int]:
+        """Each row's distance from the first row (its RoPE offset from `start`)."""
+        if self.parents is None:
+            return list(range(self.n))
+        depth: list[int] = []
+        for p in self.parents:
+            depth.append(0 if p < 0 else depth[p] + 1)
+        return depth

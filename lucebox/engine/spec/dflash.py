@@ -1,0 +1,249 @@
+"""Speculative decoding with a DFlash drafter: propose a block (chain) or a draft tree (DDTree),
+verify it with the target in one forward pass, accept the longest agreeing prefix.
+
+Lossless: the target's choice at each verified row is exactly what plain
+decoding would pick there (argmax, or a sample from the request's full
+sampling chain drawn with the request's generator), and a draft token is
+kept only when it equals that choice (DFLASH.md: rejection sampling with a
+point-mass proposal). The engine calls, per step:
+
+    chunks = spec.propose(decode_chunks)         # verification chunks (drafter pass)
+    result = runner.forward(prepare(chunks + prefills), capture=spec.capture)
+    new_tokens = spec.accept(chunk, logits, features, choose)   # walk, compact KV, extend drafter context
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from lucebox.engine.config import ModelConfig
+from lucebox.engine.kv_cache import KVCache
+from lucebox.engine.models import DecoderModel
+from lucebox.engine.sequence import Chunk, Sequence
+from lucebox.engine.spec.drafter import DFlashDrafter
+
+
+@dataclass
+class SpecStats:
+    steps: int = 0  # verification forward passes
+    committed: int = 0  # tokens committed by them (accepted drafts + the bonus token)
+    drafted: int = 0
+
+    @property
+    def acceptance_length(self) -> float:
+        """τ: tokens per target forward pass."""
+        return self.committed / self.steps if self.steps else 0.0
+
+
+class SpecDecoder:
+    def __init__(self, drafter: DFlashDrafter, target: DecoderModel, target_kv: KVCache, *, ddtree: bool = False,
+                 budget: int = 22, kv_tokens: int | None = None) -> None:
+        self.drafter = drafter
+        self.target = target
+        self.target_kv = target_kv
+        self.block = drafter.cfg.block_size
+        self.ddtree = ddtree
+        self.budget = budget
+        self.capture = tuple(drafter.cfg.target_layer_ids)
+        self.device = target_kv.data.device
+        dc = drafter.cfg
+        shape_cfg = ModelConfig(arch="dflash", name="drafter", vocab_size=dc.vocab_size, hidden_size=dc.hidden_size,
+                                intermediate_size=dc.intermediate_size, num_layers=dc.num_layers,
+                                num_heads=dc.num_heads, num_kv_heads=dc.num_kv_heads, head_dim=dc.head_dim,
+                                rms_norm_eps=dc.rms_norm_eps, max_position=dc.max_position, rope_theta=dc.rope_theta)
+        n_blocks = target_kv.pool.num_blocks if kv_tokens is None else -(-kv_tokens // target_kv.block_size) + 1
+        self.kv = KVCache.create(shape_cfg, n_blocks, target_kv.block_size, target_kv.data.dtype, self.device)
+        self.stats = SpecStats()
+
+    @property
+    def rows_per_step(self) -> int:
+        """Rows a sequence brings to one verification (for KV reservation)."""
+        return self.budget + 1 if self.ddtree else self.block
+
+    # ----- drafter context ----------------------------------------------------
+
+    def release(self, seq: Sequence) -> None:
+        if seq.draft_block_table:
+            self.kv.pool.decref(seq.draft_block_table)
+        seq.draft_block_table = []
+        seq.draft_len = 0
+
+    @torch.inference_mode()
+    def extend_context(self, seq: Sequence, start: int, features: list[torch.Tensor]) -> None:
+        """Append the fused features of positions start.. to the sequence's drafter context."""
+        n = features[0].shape[0]
+        assert start == seq.draft_len, f"drafter context at {seq.draft_len}, extension starts at {start}"
+        need = self.kv.blocks_for(start + n) - len(seq.draft_block_table)
+        if need > 0:
+            seq.draft_block_table.extend(self.kv.pool.allocate(need))
+        x = self.drafter.fuse([f.to(self.kv.data.dtype) for f in features])
+        positions = torch.arange(start, start + n, device=self.device)
+        cos, sin = self.drafter.rotary(positions, x.dtype)
+        slots = torch.tensor(self.kv.slots(seq.draft_block_table, start, start + n), device=self.device)
+        for i, layer in enumerate(self.drafter.layers):
+            k, v = layer.context_kv(x, cos, sin)
+            self.kv.data[i, 0].index_copy_(0, slots, k)
+            self.kv.data[i, 1].index_copy_(0, slots, v)
+        seq.draft_len = start + n
+
+    # ----- drafting -----------------------------------------------------------
+
+    @torch.inference_mode()
+    def draft_logprobs(self, chunks: list[Chunk]) -> torch.Tensor:
+        """Drafter log-probabilities [G, B-1, vocab] for the block after each sequence's last token."""
+        cfg = self.drafter.cfg
+        b, g = self.block, len(chunks)
+        starts = [c.start for c in chunks]
+        for c in chunks:
+            assert c.seq.draft_len == c.start, "drafter context out of step with the target"
+        block_ids = torch.full((g, b), cfg.mask_token_id, dtype=torch.long)
+        block_ids[:, 0] = torch.tensor([c.seq.token_ids[c.start] for c in chunks])
+        h = self.target.embed(block_ids.to(self.device)).to(self.kv.data.dtype)  # [G, B, H]
+        pos = (torch.tensor(starts)[:, None] + torch.arange(b)[None]).flatten().to(self.device)
+        rope = self.drafter.rotary(pos, h.dtype)
+        max_ctx = max(max(starts), 1)
+        gather = self._gather([c.seq.draft_block_table for c in chunks], max_ctx)
+        k_idx = torch.arange(max_ctx)
+        ctx_ok = k_idx[None, :] < torch.tensor(starts)[:, None]  # [G, C]
+        mask_full = torch.cat([ctx_ok, torch.ones(g, b, dtype=torch.bool)], dim=1)[:, None, None, :].expand(
+            g, 1, b, max_ctx + b)
+        masks = {False: mask_full.to(self.device)}
+        if cfg.sliding_window:
+            recent = k_idx[None, :] >= torch.tensor(starts)[:, None] - cfg.sliding_window
+            m = torch.cat([ctx_ok & recent, torch.ones(g, b, dtype=torch.bool)], dim=1)[:, None, None, :]
+            masks[True] = m.expand(g, 1, b, max_ctx + b).to(self.device)
+        for i, layer in enumerate(self.drafter.layers):
+            ctx_k = self.kv.data[i, 0][gather]
+            ctx_v = self.kv.data[i, 1][gather]
+            h = layer(h, rope, ctx_k, ctx_v, masks[layer.sliding])
+        out = self.drafter.norm(h[:, 1:])
+        return self._head(out).float().log_softmax(-1)
+
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
+        t = self.target
+        weight = t.token_embd.weight if t.cfg.tie_word_embeddings else t.output.weight
+        return F.linear(h, weight)
+
+    def _gather(self, tables: list[list[int]], ctx: int) -> torch.Tensor:
+        bs = self.kv.block_size
+        n_blocks = -(-ctx // bs)
+        bt = torch.zeros(len(tables), n_blocks, dtype=torch.long)
+        for i, t in enumerate(tables):
+            t = t[:n_blocks]
+            if t:
+                bt[i, : len(t)] = torch.tensor(t)
+        pos = torch.arange(ctx)
+        return (bt[:, pos // bs] * bs + pos % bs).to(self.device)
+
+    def propose(self, chunks: list[Chunk]) -> list[Chunk]:
+        """Verification chunks (last token + draft) for the decoding sequences."""
+        logprobs = self.draft_logprobs(chunks)
+        out = []
+        if not self.ddtree:
+            drafts = logprobs.argmax(-1).tolist()
+            for c, d in zip(chunks, drafts):
+                out.append(Chunk(c.seq, c.start, self.block, tokens=[c.seq.token_ids[c.start]] + d))
+        else:
+            k = 8 if self.budget > self.block - 1 else 1
+            top_v, top_i = logprobs.topk(k, dim=-1)
+            top_v, top_i = top_v.cpu().tolist(), top_i.cpu().tolist()
+            for c, tv, ti in zip(chunks, top_v, top_i):
+                tokens, parents = build_tree(tv, ti, self.budget)
+                out.append(Chunk(c.seq, c.start, len(tokens) + 1, tokens=[c.seq.token_ids[c.start]] + tokens,
+                                 parents=[-1] + parents))
+        self.stats.drafted += sum(c.n - 1 for c in out)
+        return out
+
+    # ----- acceptance ---------------------------------------------------------
+
+    @torch.inference_mode()
+    def accept(self, chunk: Chunk, logits: torch.Tensor, features: list[torch.Tensor],
+               choose: Callable[[int, list[int]], int]) -> list[int]:
+        """Walk the verified draft; returns the committed tokens (accepted drafts + the target's next token).
+
+        `choose(row, accepted_so_far)` is the target's choice at a verified row (the
+        engine's sampler). Compacts the accepted rows' KV to consecutive positions,
+        sets the sequence's computed length, and appends their features to the
+        drafter context. The caller appends the tokens and applies stop rules.
+        """
+        seq = chunk.seq
+        tokens = chunk.tokens
+        assert tokens is not None
+        parents = chunk.parents or list(range(-1, chunk.n - 1))
+        children: dict[int, dict[int, int]] = {}
+        for i, p in enumerate(parents):
+            if p >= 0:
+                children.setdefault(p, {}).setdefault(tokens[i], i)
+        path = [0]
+        accepted: list[int] = []
+        while True:
+            y = choose(path[-1], accepted)
+            nxt = children.get(path[-1], {}).get(y)
+            if nxt is None:
+                bonus = y
+                break
+            path.append(nxt)
+            accepted.append(y)
+        p0 = chunk.start
+        # Move the accepted rows' KV to consecutive slots (a chain's path is already in place).
+        moves = [(p0 + i, p0 + d) for d, i in enumerate(path) if i != d]
+        if moves:
+            kv = self.target_kv
+            src = torch.tensor([kv.slot(seq.block_table, a) for a, _ in moves], device=self.device)
+            dst = torch.tensor([kv.slot(seq.block_table, b) for _, b in moves], device=self.device)
+            kv.data[:, :, dst] = kv.data[:, :, src]
+        seq.num_computed = p0 + len(path)
+        rows = torch.tensor(path, device=self.device)
+        self.extend_context(seq, p0, [f[rows] for f in features])
+        self.stats.steps += 1
+        self.stats.committed += len(path)
+        return accepted + [bonus]
+
+
+def build_tree(top_lp: list[list[float]], top_ids: list[list[int]], budget: int) -> tuple[list[int], list[int]]:
+    """DDTree from one drafter pass: `top_*[d]` are the top-K log-probs/ids at depth d+1.
+
+    Seeds the full top-1 chain, then grows the tree best-first by cumulative
+    log-probability (siblings and first children), up to `budget` nodes.
+    Returns the nodes' tokens and parents (node indices, -1 = the root);
+    parents precede children.
+    """
+    depth_max = len(top_lp)
+    k = len(top_lp[0])
+    tokens: list[int] = []
+    parents: list[int] = []
+    cum: list[float] = []
+    heap: list[tuple[float, int, int, int, int]] = []  # (-cum, tiebreak, depth, rank, parent)
+    counter = 0
+
+    def push(depth: int, rank: int, parent: int) -> None:
+        nonlocal counter
+        base = cum[parent] if parent >= 0 else 0.0
+        heapq.heappush(heap, (-(base + top_lp[depth][rank]), counter, depth, rank, parent))
+        counter += 1
+
+    parent = -1
+    for depth in range(min(depth_max, budget)):
+        tokens.append(top_ids[depth][0])
+        parents.append(parent)
+        cum.append((cum[parent] if parent >= 0 else 0.0) + top_lp[depth][0])
+        if k > 1:
+            push(depth, 1, parent)
+        parent = len(tokens) - 1
+    while len(tokens) < budget and heap:
+        _, _, depth, rank, par = heapq.heappop(heap)
+        tokens.append(top_ids[depth][rank])
+        parents.append(par)
+        cum.append((cum[par] if par >= 0 else 0.0) + top_lp[depth][rank])
+        node = len(tokens) - 1
+        if rank + 1 < k:
+            push(depth, rank + 1, par)
+        if depth + 1 < depth_max:
+            push(depth + 1, 0, node)
+    # Parents are 0-based among nodes; shift by one so index 0 is the root row.
+    return tokens, [p + 1 if p >= 0 else 0 for p in parents]

@@ -1,0 +1,97 @@
+"""DFlash speculative decoding: lossless against plain decoding, chain and DDTree, alone and batched."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from lucebox.engine.llm_engine import EngineConfig, LLMEngine
+from lucebox.engine.loader import read_model_config
+from lucebox.engine.sampler import SamplingParams
+from lucebox.engine.spec.dflash import build_tree
+from lucebox.engine.spec.drafter import DFlashDrafter, drafter_config_for, load_drafter, save_drafter
+from lucebox.errors import ModelFileError
+
+
+def random_drafter(target_path: Path, folder: Path, *, layers: int = 1, block: int = 8, seed: int = 0,
+                   target_layers: list[int] | None = None) -> Path:
+    cfg = read_model_config(target_path)
+    dcfg = drafter_config_for(cfg, layers=layers, block_size=block, mask_token_id=cfg.vocab_size - 1,
+                              target_layers=target_layers)
+    save_drafter(DFlashDrafter.random(dcfg, seed=seed, std=0.2), folder)
+    return folder
+
+
+def engine(path: Path, **kw) -> LLMEngine:
+    return LLMEngine.from_path(path, EngineConfig(device="cpu", dtype="float32", kv_tokens=4096, **kw), quiet=True)
+
+
+PROMPTS = [list(range(5, 30)), list(range(100, 140, 3)), [7, 9, 11], list(range(200, 260))]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
+@pytest.mark.parametrize("ddtree", [False, True])
+def test_greedy_spec_equals_plain_on_tiny_random_pairs(tiny_gguf, tmp_path, arch, ddtree):
+    target = tiny_gguf(arch, "F32", **({"sliding_window": 8} if arch == "gemma3" else {}))
+    draft = random_drafter(target, tmp_path / "d", layers=2, block=6)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    plain = engine(target).generate(PROMPTS, params)
+    spec = engine(target, draft=str(draft), ddtree=ddtree, ddtree_budget=9)
+    alone = [spec.generate([p], params)[0] for p in PROMPTS]
+    together = spec.generate(PROMPTS, params)
+    assert alone == plain
+    assert together == plain
+    assert spec.spec.stats.steps > 0
+    assert spec.kv.pool.num_used == 0 and spec.spec.kv.pool.num_used == 0
+
+
+def test_spec_respects_max_tokens_and_eos_inside_a_block(tiny_gguf, tmp_path):
+    target = tiny_gguf("llama", "F32")
+    draft = random_drafter(target, tmp_path / "d", block=8)
+    plain = engine(target)
+    spec = engine(target, draft=str(draft))
+    for n in (1, 2, 5, 13):
+        p = SamplingParams(max_tokens=n, ignore_eos=True)
+        assert spec.generate([PROMPTS[0]], p) == plain.generate([PROMPTS[0]], p)
+    # Make a token the model emits early an EOS: both stop at the same place.
+    first = plain.generate([PROMPTS[1]], SamplingParams(max_tokens=20, ignore_eos=True))[0]
+    stop = SamplingParams(max_tokens=20, stop_token_ids=frozenset({first[6]}))
+    a, b = plain.generate([PROMPTS[1]], stop)[0], spec.generate([PROMPTS[1]], stop)[0]
+    assert a == b and a[-1] == first[6] and len(a) <= 7
+
+
+def test_default_model_greedy_spec_equals_plain(smollm2_path, tmp_path):
+    draft = random_drafter(smollm2_path, tmp_path / "d", layers=1, block=8, target_layers=[2, 15, 27])
+    plain = engine(smollm2_path)
+    tok = plain.tokenizer
+    prompts = [tok.encode("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"),
+               tok.encode("def fib(n):\n    ")]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    ref = plain.generate(prompts, params)
+    for ddtree in (False, True):
+        spec = engine(smollm2_path, draft=str(draft), ddtree=ddtree, ddtree_budget=12)
+        assert spec.generate(prompts, params) == ref
+
+
+def test_mismatched_drafter_is_refused(tiny_gguf, tmp_path):
+    a = tiny_gguf("llama", "F32")
+    b = tiny_gguf("qwen3", "F32")
+    draft = random_drafter(a, tmp_path / "d")
+    with pytest.raises(ModelFileError, match="hidden size|vocabulary"):
+        load_drafter(draft, read_model_config(b).__class__(**{**read_model_config(a).__dict__,
+                                                              "hidden_size": 32}), "cpu", torch.float32)
+    with pytest.raises(ModelFileError, match="config.json"):
+        engine(a, draft=str(tmp_path))
+
+
+def test_build_tree_seeds_the_chain_and_grows_best_first():
+    # 3 depths, top-3 each; cumulative log-probs decide the order after the chain.
+    lp = [[-0.1, -1.0, -3.0], [-0.2, -0.5, -4.0], [-0.3, -2.0, -5.0]]
+    ids = [[10, 11, 12], [20, 21, 22], [30, 31, 32]]
+    tokens, parents = build_tree(lp, ids, budget=6)
+    assert tokens[:3] == [10, 20, 30] and parents[:3] == [0, 1, 2]  # the top-1 chain under the root (row 0)
+    # Next best: sibling 21 of 20 (cum -0.1-0.5 = -0.6), then its child 30 (-0.9), then 11 (-1.0).
+    assert tokens[3:] == [21, 30, 11] and parents[3:] == [1, 4, 0]
+    assert all(p < i + 1 for i, p in enumerate(parents))  # parents precede children
