@@ -37,6 +37,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queue", type=int, default=None, help="waiting requests before 503 (default 256)")
     p.add_argument("--max-step-tokens", type=int, default=None, help="prefill chunk budget per step (default 2048)")
     p.add_argument("--kv-tokens", type=int, default=None, help="KV cache size in tokens (default: from memory)")
+    p.add_argument("--draft", default=None, help="DFlash drafter folder (default: the model card's drafter)")
+    p.add_argument("--no-draft", action="store_true", help="plain decoding even when a drafter is available")
+    p.add_argument("--ddtree", action="store_true", help="verify a draft tree (DDTree) instead of a chain")
+    p.add_argument("--ddtree-budget", type=int, default=None, help="draft tree nodes per verification (default 22)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--show-ids", action="store_true", help="print the generated token ids on stderr at the end")
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("bench", help="benchmarks (decode, serve)")
+    p = sub.add_parser("bench", help="benchmarks (decode, serve, spec)")
     bench = p.add_subparsers(dest="bench", required=True)
     b = bench.add_parser("decode", help="prefill and decode tok/s, this engine vs transformers")
     add_engine_args(b)
@@ -100,6 +104,17 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--api-key", default=None, help="key to send (default: env LUCEBOX_API_KEY)")
     b.add_argument("--json", type=Path, default=Path("bench_serve.json"), help="where to write the results")
     b.set_defaults(func=_lazy("lucebox.bench.serve", "main"))
+
+    b = bench.add_parser("spec", help="DFlash speculative decoding vs plain decoding, per suite")
+    add_engine_args(b)
+    b.add_argument("--draft", default=None, help="drafter folder (default: the model card's)")
+    b.add_argument("--suite", default="humaneval,gsm,math,mtbench", help="comma-separated suites")
+    b.add_argument("--prompts", type=int, default=10, help="prompts per suite")
+    b.add_argument("--max-new", type=int, default=256, help="max new tokens per prompt")
+    b.add_argument("--budgets", default="8,16,32", help="DDTree budgets to run")
+    b.add_argument("--data-dir", type=Path, default=None, help="the shared data folder")
+    b.add_argument("--json", type=Path, default=Path("bench_spec.json"), help="where to write the results")
+    b.set_defaults(func=_lazy("lucebox.bench.spec", "main"))
     return parser
 
 

@@ -65,6 +65,10 @@ class ModelCard:
     path: Path | None = None
     raw: dict[str, Any] = field(default_factory=dict)
 
+    def drafter_path(self) -> str | None:
+        """The card's DFlash drafter folder, if it names one that exists."""
+        return self.drafter if self.drafter and Path(self.drafter).is_dir() else None
+
     def effort_budget(self, effort: str, n_ctx: int) -> int:
         """Thinking-token budget for an effort tier (defaults derived as MODEL_CARDS.md says)."""
         tiers = self.tiers(n_ctx)
@@ -117,8 +121,12 @@ def load_card(path: Path) -> ModelCard:
     if unknown:
         log.warning("model card %s: ignoring unknown field(s) %s", path, ", ".join(unknown))
     fields = _validated(raw, f"model card {path}")
+    here = path.resolve().parent
     if fields.get("chat_template") and not Path(fields["chat_template"]).is_absolute():
-        fields["chat_template"] = str(path.resolve().parent / fields["chat_template"])  # relative to the card
+        fields["chat_template"] = str(here / fields["chat_template"])  # relative to the card, not the cwd
+    for name in ("drafter", "scorer"):  # a folder next to the card, or a name/path taken as given
+        if fields.get(name) and not Path(fields[name]).is_absolute() and (here / fields[name]).exists():
+            fields[name] = str(here / fields[name])
     return ModelCard(**fields, path=path, raw=raw)
 
 

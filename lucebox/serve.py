@@ -42,6 +42,10 @@ class ServerConfig:
     max_queue: int = 256
     max_step_tokens: int = 2048
     kv_tokens: int | None = None
+    draft: str | None = None  # DFlash drafter folder; None = the model card's, if any
+    no_draft: bool = False
+    ddtree: bool = False
+    ddtree_budget: int = 22
     grace: float = 10.0
 
     @classmethod
@@ -75,6 +79,10 @@ class ServerConfig:
             max_queue=pick("max_queue", "LUCEBOX_MAX_QUEUE", int, 256),
             max_step_tokens=pick("max_step_tokens", "LUCEBOX_MAX_STEP_TOKENS", int, 2048),
             kv_tokens=pick("kv_tokens", "LUCEBOX_KV_TOKENS", int, None),
+            draft=pick("draft", "LUCEBOX_DRAFT", str, None),
+            no_draft=bool(getattr(args, "no_draft", False)),
+            ddtree=bool(getattr(args, "ddtree", False)),
+            ddtree_budget=pick("ddtree_budget", "LUCEBOX_DDTREE_BUDGET", int, 22),
         )
 
     def public(self) -> dict[str, Any]:
@@ -118,8 +126,23 @@ def load_into(ctx: ServerContext, cfg: ServerConfig) -> Any:
     ctx.card = card
     ctx.n_ctx = engine.n_ctx
     ctx.model_id = path.stem
+    draft = None if cfg.no_draft else (cfg.draft or (card.drafter_path() if card else None))
+    if draft:
+        engine.enable_speculation(Path(draft), ddtree=cfg.ddtree, budget=cfg.ddtree_budget)
     ctx.props.update(model_props(engine, card, cfg))
+    ctx.props["speculative"] = lambda: speculative_props(engine, draft, cfg)
     return engine
+
+
+def speculative_props(engine: Any, draft: str | None, cfg: ServerConfig) -> dict[str, Any]:
+    spec = engine.spec
+    if spec is None:
+        return {"enabled": False, "drafter": None, "block_size": None, "ddtree": False, "ddtree_budget": None}
+    s = spec.stats
+    return {"enabled": True, "drafter": str(draft), "block_size": spec.block, "ddtree": spec.ddtree,
+            "ddtree_budget": spec.budget if spec.ddtree else None, "steps": s.steps,
+            "committed_tokens": s.committed, "drafted_tokens": s.drafted,
+            "acceptance": round(s.acceptance_length, 3) if s.steps else None}
 
 
 def model_props(engine: Any, card: ModelCard | None, cfg: ServerConfig) -> dict[str, Any]:
@@ -197,6 +220,14 @@ def register_engine_metrics(ctx: ServerContext) -> None:
     m.counter("lucebox_preemptions_total", "Sequences preempted for lack of KV blocks",
               lambda: eng.engine.scheduler.num_preemptions)
     m.counter("lucebox_engine_steps_total", "Model steps run", lambda: eng.steps)
+    spec = eng.engine.spec
+    if spec is not None:
+        m.counter("lucebox_spec_verify_steps_total", "Speculative verification passes", lambda: spec.stats.steps)
+        m.counter("lucebox_spec_committed_tokens_total", "Tokens committed by verification passes",
+                  lambda: spec.stats.committed)
+        m.counter("lucebox_spec_drafted_tokens_total", "Draft tokens proposed", lambda: spec.stats.drafted)
+        m.gauge("lucebox_spec_acceptance_length", "Mean tokens per verification pass (tau)",
+                lambda: spec.stats.acceptance_length)
 
 
 def _env_flag(name: str) -> bool:

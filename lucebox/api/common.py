@@ -302,7 +302,7 @@ class GenerationRun:
         self.usage.completion_tokens = gen.output_tokens
         self.usage.cached_tokens = gen.cached_tokens
         self.usage.reasoning_tokens = reasoning_tokens
-        self.usage.timings = gen.timings.as_dict(gen.prompt_tokens, gen.output_tokens)
+        self.usage.timings = gen.timings.as_dict(gen.prompt_tokens, gen.output_tokens, gen.seq)
         self.ctx.metrics.observe_generation(self.usage, gen.finish_reason or "stop")
 
     async def collect(self) -> tuple[list[Event], Finish]:

@@ -42,14 +42,19 @@ class Timings:
     first_token: float | None = None
     finished: float | None = None
 
-    def as_dict(self, prompt_tokens: int, output_tokens: int) -> dict[str, float | None]:
+    def as_dict(self, prompt_tokens: int, output_tokens: int, seq: Sequence | None = None) -> dict[str, float | None]:
         """Milliseconds and rates, as the API layer reports them in `timings`."""
         def ms(a: float | None, b: float | None) -> float | None:
             return None if a is None or b is None else round((b - a) * 1000, 2)
 
         decode_ms = ms(self.first_token, self.finished)
         prefill_ms = ms(self.first_scheduled, self.first_token)
+        spec: dict[str, float | None] = {}
+        if seq is not None and seq.spec_steps:
+            spec = {"draft_steps": seq.spec_steps, "accepted_draft_tokens": seq.spec_committed - seq.spec_steps,
+                    "acceptance_length": round(seq.spec_committed / seq.spec_steps, 3)}
         return {
+            **spec,
             "queue_ms": ms(self.arrival, self.first_scheduled),
             "prefill_ms": prefill_ms,
             "ttft_ms": ms(self.arrival, self.first_token),

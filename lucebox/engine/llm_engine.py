@@ -112,11 +112,16 @@ class LLMEngine:
         from lucebox.engine.spec.drafter import load_drafter
 
         drafter = load_drafter(draft, self.model_config, self.device, self.loaded.dtype)
-        self.spec = SpecDecoder(drafter, self.loaded.model, self.kv, ddtree=ddtree, budget=budget)
-        self.scheduler.decode_rows = self.spec.rows_per_step
-        self.scheduler.on_release = self.spec.release
+        self.set_speculation(SpecDecoder(drafter, self.loaded.model, self.kv, ddtree=ddtree, budget=budget))
         log.info("speculative decoding: DFlash drafter %s (%d layers, block %d)%s", draft,
                  drafter.cfg.num_layers, drafter.cfg.block_size, f", DDTree budget {budget}" if ddtree else "")
+
+    def set_speculation(self, spec: SpecDecoder | None) -> None:
+        """Switch decoding mode (only between requests: no sequence may be running)."""
+        assert not self.has_work(), "switch speculation only when the engine is idle"
+        self.spec = spec
+        self.scheduler.decode_rows = spec.rows_per_step if spec else 1
+        self.scheduler.on_release = spec.release if spec else None
 
     def _default_kv_tokens(self) -> int:
         """Room for a few full-context sequences, within a memory budget."""

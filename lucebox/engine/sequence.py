@@ -38,6 +38,8 @@ class Sequence:
     # DFlash: the sequence's blocks in the drafter's KV cache and how many positions they hold.
     draft_block_table: list[int] = field(default_factory=list)
     draft_len: int = 0
+    spec_steps: int = 0  # verification passes this sequence took part in
+    spec_committed: int = 0  # tokens they committed (acceptance length = committed / steps)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

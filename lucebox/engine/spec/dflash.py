@@ -202,6 +202,8 @@ class SpecDecoder:
         self.extend_context(seq, p0, [f[rows] for f in features])
         self.stats.steps += 1
         self.stats.committed += len(path)
+        seq.spec_steps += 1
+        seq.spec_committed += len(path)
         return accepted + [bonus]
 
 
