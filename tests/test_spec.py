@@ -95,3 +95,21 @@ def test_build_tree_seeds_the_chain_and_grows_best_first():
     # Next best: sibling 21 of 20 (cum -0.1-0.5 = -0.6), then its child 30 (-0.9), then 11 (-1.0).
     assert tokens[3:] == [21, 30, 11] and parents[3:] == [1, 4, 0]
     assert all(p < i + 1 for i, p in enumerate(parents))  # parents precede children
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("ddtree", [False, True])
+def test_static_steps_equal_dynamic_steps(tiny_gguf, tmp_path, arch, ddtree):
+    """The fixed-shape step (CUDA graphs on GPU; eager here) gives the same tokens as the dynamic one."""
+    target = tiny_gguf(arch, "F32", **({"sliding_window": 8} if arch == "gemma3" else {}))
+    draft = random_drafter(target, tmp_path / "d", layers=2, block=6)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    plain = engine(target).generate(PROMPTS, params)
+    static = engine(target, draft=str(draft), ddtree=ddtree, ddtree_budget=9, spec_static=True)
+    assert static.spec.static is not None
+    assert static.generate(PROMPTS, params) == plain
+    assert static.spec.static.graphs, "the static path did not run"
+    assert static.kv.pool.num_used == 0 and static.spec.kv.pool.num_used == 0
+    sampled = SamplingParams(max_tokens=30, temperature=0.9, seed=3, ignore_eos=True)
+    dynamic = engine(target, draft=str(draft), ddtree=ddtree, ddtree_budget=9, spec_static=False)
+    assert static.generate(PROMPTS[:2], sampled) == dynamic.generate(PROMPTS[:2], sampled)

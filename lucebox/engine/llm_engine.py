@@ -45,6 +45,7 @@ class EngineConfig:
     draft: str | None = None  # DFlash drafter folder; None = plain decoding
     ddtree: bool = False  # verify a draft tree instead of a chain
     ddtree_budget: int = 22  # tree nodes per verification
+    spec_static: bool | None = None  # fixed-shape (CUDA-graph) speculative steps; None = on CUDA only
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":
@@ -122,6 +123,11 @@ class LLMEngine:
         self.spec = spec
         self.scheduler.decode_rows = spec.rows_per_step if spec else 1
         self.scheduler.on_release = spec.release if spec else None
+        static = self.config.spec_static
+        if spec is not None and (static or (static is None and self.device.type == "cuda" and self.config.cuda_graphs)):
+            from lucebox.engine.spec.static import StaticSpec
+
+            spec.static = StaticSpec(spec, self.config.max_num_seqs, self.n_ctx)
 
     def _default_kv_tokens(self) -> int:
         """Room for a few full-context sequences, within a memory budget."""
@@ -188,9 +194,28 @@ class LLMEngine:
         assert spec is not None
         decodes = [c for c in chunks if c.n == 1 and c.start > 0]
         others = [c for c in chunks if not (c.n == 1 and c.start > 0)]
+        outputs = []
+        if decodes and spec.static is not None:
+            step_lps: dict[int, list[TokenLogprobs | None]] = {}
+
+            def chooser(chunk: Chunk, logits: torch.Tensor, best: list[int]) -> Callable[[int, list[int]], int]:
+                p = chunk.seq.params
+                if p.greedy and not p.has_penalties and p.logprobs is None:
+                    return lambda row, accepted: best[row]
+                return self._chooser(chunk.seq, logits.float(), step_lps.setdefault(chunk.seq.seq_id, []))
+
+            committed = spec.static.step(decodes, chooser)
+            if committed is not None:
+                for c, tokens in zip(decodes, committed):
+                    n_before = len(c.seq.token_ids)
+                    lps = step_lps.get(c.seq.seq_id)
+                    finished = self.scheduler.commit(c.seq, self._within_limit(c.seq, tokens), lps)
+                    outputs.append(StepOutput(c.seq, c.seq.token_ids[n_before:], finished))
+                decodes = []
+                if not others:
+                    return outputs
         verify = spec.propose(decodes) if decodes else []
         result = self.runner.forward(self.runner.prepare(verify + others), capture=spec.capture)
-        outputs = []
         for i, c in enumerate(result.inputs.order):
             seq = c.seq
             n_before = len(seq.token_ids)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -59,6 +60,7 @@ class SpecDecoder:
         n_blocks = target_kv.pool.num_blocks if kv_tokens is None else -(-kv_tokens // target_kv.block_size) + 1
         self.kv = KVCache.create(shape_cfg, n_blocks, target_kv.block_size, target_kv.data.dtype, self.device)
         self.stats = SpecStats()
+        self.static: Any = None  # StaticSpec (fixed-shape, CUDA-graph steps), set by the engine
 
     @property
     def rows_per_step(self) -> int:
@@ -171,25 +173,8 @@ class SpecDecoder:
         sets the sequence's computed length, and appends their features to the
         drafter context. The caller appends the tokens and applies stop rules.
         """
-        seq = chunk.seq
-        tokens = chunk.tokens
-        assert tokens is not None
-        parents = chunk.parents or list(range(-1, chunk.n - 1))
-        children: dict[int, dict[int, int]] = {}
-        for i, p in enumerate(parents):
-            if p >= 0:
-                children.setdefault(p, {}).setdefault(tokens[i], i)
-        path = [0]
-        accepted: list[int] = []
-        while True:
-            y = choose(path[-1], accepted)
-            nxt = children.get(path[-1], {}).get(y)
-            if nxt is None:
-                bonus = y
-                break
-            path.append(nxt)
-            accepted.append(y)
-        p0 = chunk.start
+        path, tokens = walk(chunk, choose)
+        seq, p0 = chunk.seq, chunk.start
         # Move the accepted rows' KV to consecutive slots (a chain's path is already in place).
         moves = [(p0 + i, p0 + d) for d, i in enumerate(path) if i != d]
         if moves:
@@ -197,14 +182,43 @@ class SpecDecoder:
             src = torch.tensor([kv.slot(seq.block_table, a) for a, _ in moves], device=self.device)
             dst = torch.tensor([kv.slot(seq.block_table, b) for _, b in moves], device=self.device)
             kv.data[:, :, dst] = kv.data[:, :, src]
-        seq.num_computed = p0 + len(path)
         rows = torch.tensor(path, device=self.device)
         self.extend_context(seq, p0, [f[rows] for f in features])
+        self.record(seq, p0, len(path))
+        return tokens
+
+    def record(self, seq: Sequence, start: int, n_path: int) -> None:
+        """Book-keeping after a verification: computed length and acceptance statistics."""
+        seq.num_computed = start + n_path
         self.stats.steps += 1
-        self.stats.committed += len(path)
+        self.stats.committed += n_path
         seq.spec_steps += 1
-        seq.spec_committed += len(path)
-        return accepted + [bonus]
+        seq.spec_committed += n_path
+
+
+def walk(chunk: Chunk, choose: Callable[[int, list[int]], int]) -> tuple[list[int], list[int]]:
+    """Follow the target's choices through the draft: (rows on the accepted path, committed tokens).
+
+    Row 0 is the last committed token; a row's children are the draft tokens
+    after it. At each row the target chooses; if a child carries that token the
+    walk moves there, else the choice is the bonus token and the walk ends.
+    """
+    tokens = chunk.tokens
+    assert tokens is not None
+    parents = chunk.parents or list(range(-1, chunk.n - 1))
+    children: dict[int, dict[int, int]] = {}
+    for i, p in enumerate(parents):
+        if p >= 0:
+            children.setdefault(p, {}).setdefault(tokens[i], i)
+    path = [0]
+    accepted: list[int] = []
+    while True:
+        y = choose(path[-1], accepted)
+        nxt = children.get(path[-1], {}).get(y)
+        if nxt is None:
+            return path, accepted + [y]
+        path.append(nxt)
+        accepted.append(y)
 
 
 def build_tree(top_lp: list[list[float]], top_ids: list[list[int]], budget: int) -> tuple[list[int], list[int]]:

@@ -1,0 +1,282 @@
+"""Speculative decode steps with fixed shapes, replayed as CUDA graphs.
+
+A DFlash step is three launches of many small kernels: the drafter pass, the
+target's verification of the block (or tree), and the bookkeeping after the
+walk (drafter context K/V for the accepted rows, and for trees the KV
+compaction). Each runs here on static buffers padded to a batch bucket and a
+context bucket, so on CUDA each is one graph replay; on the CPU the same code
+runs eagerly (the tests check it equals the dynamic path in dflash.py).
+
+Per step the host: fills the draft inputs → replay → reads the chain (argmax)
+or the top-K for the tree → builds the verification rows → replay → reads
+the target's choices → walks → fills the accepted rows → replay.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from lucebox.engine.attention import AttentionMetadata, AttnGroup
+from lucebox.engine.cuda_graphs import MIN_CTX, batch_buckets
+from lucebox.engine.model_runner import ancestor_matrix
+from lucebox.engine.sequence import Chunk
+from lucebox.engine.spec.dflash import SpecDecoder, build_tree, walk
+
+log = logging.getLogger(__name__)
+
+
+class _Graphed:
+    """A function of static buffers, run eagerly or captured once and replayed."""
+
+    def __init__(self, fn: Callable[[], Any], device: torch.device, pool: Any) -> None:
+        self.fn = fn
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.out: Any = None
+        if device.type == "cuda":
+            stream = torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    fn()
+            torch.cuda.current_stream(device).wait_stream(stream)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, pool=pool):
+                self.out = fn()
+
+    def __call__(self) -> Any:
+        if self.graph is None:
+            self.out = self.fn()
+        else:
+            self.graph.replay()
+        return self.out
+
+
+class StaticSpec:
+    def __init__(self, spec: SpecDecoder, max_batch: int, max_ctx: int) -> None:
+        self.spec = spec
+        self.drafter = spec.drafter
+        self.target = spec.target
+        self.device = spec.device
+        self.page = spec.target_kv.block_size
+        self.batches = batch_buckets(max_batch)
+        self.max_ctx = max(MIN_CTX, -(-max_ctx // self.page) * self.page)
+        self.B = spec.block
+        self.N = spec.rows_per_step
+        self.K = 8 if spec.ddtree and spec.budget > spec.block - 1 else 1
+        self.graphs: dict[tuple[str, int, int], _Graphed] = {}
+        self.pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
+        b, n, nb = self.batches[-1], self.N, self.max_ctx // self.page
+        dev, long = self.device, torch.long
+        z = lambda *shape, dtype=long: torch.zeros(*shape, dtype=dtype, device=dev)  # noqa: E731
+        self.kpos = torch.arange(self.max_ctx + n, device=dev)
+        # drafter inputs
+        self.d_ids, self.d_start, self.d_tables = z(b, self.B), z(b), z(b, nb)
+        # verification inputs
+        self.v_ids, self.v_pos, self.v_slots = z(b, n), z(b, n), z(b, n)
+        self.v_tables, self.v_start = z(b, nb), z(b)
+        self.v_anc = z(b, n, n, dtype=torch.bool)
+        self.v_depth = z(b, n)
+        # accepted-rows inputs
+        self.e_rows, self.e_pos, self.e_dslots, self.e_src, self.e_dst = z(b, n), z(b, n), z(b, n), z(b, n), z(b, n)
+
+    def buckets_for(self, n: int, ctx: int) -> tuple[int, int] | None:
+        batch = next((b for b in self.batches if b >= n), None)
+        if batch is None or ctx > self.max_ctx:
+            return None
+        c = MIN_CTX
+        while c < ctx:
+            c *= 2
+        return batch, min(c, self.max_ctx)
+
+    # ----- the three graph bodies ---------------------------------------------
+
+    def _draft_fn(self, b: int, c: int) -> Callable[[], Any]:
+        d, bs, B = self.drafter, self.page, self.B
+        kv = self.spec.kv.data
+
+        @torch.inference_mode()
+        def fn() -> Any:
+            start = self.d_start[:b]
+            h = self.target.embed(self.d_ids[:b]).to(kv.dtype)
+            pos = (start[:, None] + self.kpos[:B][None, :]).flatten()
+            rope = d.rotary(pos, h.dtype)
+            kp = self.kpos[:c]
+            tables = self.d_tables[:b]
+            gather = tables[:, kp // bs] * bs + kp % bs
+            ctx_ok = kp[None, :] < start[:, None]
+            mask = torch.cat([ctx_ok, torch.ones(b, B, dtype=torch.bool, device=self.device)], 1)[:, None, None, :]
+            mask = mask.expand(b, 1, B, c + B)
+            for i, layer in enumerate(d.layers):
+                h = layer(h, rope, kv[i, 0][gather], kv[i, 1][gather], mask)
+            logits = self.spec._head(d.norm(h[:, 1:]))
+            if self.K == 1:
+                return logits.argmax(-1)
+            top = logits.float().log_softmax(-1).topk(self.K, dim=-1)
+            return top.values, top.indices
+
+        return fn
+
+    def _verify_fn(self, b: int, c: int) -> Callable[[], Any]:
+        n, bs, cfg = self.N, self.page, self.target.cfg
+
+        @torch.inference_mode()
+        def fn() -> Any:
+            start = self.v_start[:b]
+            kp = self.kpos[:c]
+            tables = self.v_tables[:b]
+            gather = tables[:, kp // bs] * bs + kp % bs
+            rel = kp[None, :] - start[:, None]  # [b, c]: key index relative to the draft's first row
+            in_draft = (rel >= 0) & (rel < n)
+            idx = rel.clamp(0, n - 1)
+            anc = self.v_anc[:b].gather(2, idx[:, None, :].expand(b, n, c))
+            mask = (rel < 0)[:, None, :] | (in_draft[:, None, :] & anc)
+            sliding = None
+            if cfg.has_sliding_layers:
+                k_pos = torch.where(rel < 0, kp[None, :], start[:, None] + self.v_depth[:b].gather(1, idx))
+                q_pos = self.v_pos[:b]
+                sliding = (mask & ((q_pos[:, :, None] - k_pos[:, None, :]) < cfg.sliding_window))[:, None]
+            meta = AttentionMetadata(self.v_slots[:b].flatten(), [AttnGroup(0, b, n, gather, mask[:, None], sliding)])
+            hidden, feats = self.target(self.v_ids[:b].flatten(), self.v_pos[:b].flatten(),
+                                        self.spec.target_kv.data, meta, capture=self.spec.capture)
+            logits = self.target.logits(hidden)
+            return logits, logits.argmax(-1), feats
+
+        return fn
+
+    def _extend_fn(self, b: int, c: int) -> Callable[[], Any]:
+        n, d = self.N, self.drafter
+        verify = self.graphs[("verify", b, c)]
+        kv, tkv = self.spec.kv.data, self.spec.target_kv.data
+
+        @torch.inference_mode()
+        def fn() -> None:
+            _, _, feats = verify.out
+            rows = (self.e_rows[:b] + self.kpos[:b][:, None] * n).flatten()
+            x = d.fuse([f[rows].to(kv.dtype) for f in feats])
+            cos, sin = d.rotary(self.e_pos[:b].flatten(), x.dtype)
+            slots = self.e_dslots[:b].flatten()
+            for i, layer in enumerate(d.layers):
+                k, v = layer.context_kv(x, cos, sin)
+                kv[i, 0].index_copy_(0, slots, k)
+                kv[i, 1].index_copy_(0, slots, v)
+            src, dst = self.e_src[:b].flatten(), self.e_dst[:b].flatten()
+            tkv[:, :, dst] = tkv[:, :, src]
+
+        return fn
+
+    def _graph(self, kind: str, b: int, c: int) -> _Graphed:
+        key = (kind, b, c)
+        g = self.graphs.get(key)
+        if g is None:
+            make = {"draft": self._draft_fn, "verify": self._verify_fn, "extend": self._extend_fn}[kind]
+            g = self.graphs[key] = _Graphed(make(b, c), self.device, self.pool)
+            log.debug("spec graph %s batch=%d ctx=%d", kind, b, c)
+        return g
+
+    # ----- one step -----------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self, chunks: list[Chunk],
+             chooser: Callable[[Chunk, torch.Tensor, list[int]], Callable[[int, list[int]], int]]
+             ) -> list[list[int]] | None:
+        """Draft, verify and accept for decode chunks; None if no bucket fits (caller falls back)."""
+        spec, n = self.spec, self.N
+        ctx = max(ch.start + n for ch in chunks)
+        buckets = self.buckets_for(len(chunks), ctx)
+        if buckets is None:
+            return None
+        b, c = buckets
+        g = len(chunks)
+        for ch in chunks:  # drafter blocks for the rows this step may accept
+            need = spec.kv.blocks_for(ch.start + n) - len(ch.seq.draft_block_table)
+            if need > 0:
+                ch.seq.draft_block_table.extend(spec.kv.pool.allocate(need))
+        # 1. draft
+        ids = torch.full((b, self.B), self.drafter.cfg.mask_token_id, dtype=torch.long)
+        ids[:g, 0] = torch.tensor([ch.seq.token_ids[ch.start] for ch in chunks])
+        self.d_ids[:b].copy_(ids)
+        self.d_start[:b].copy_(_pad([ch.start for ch in chunks], b))
+        self.d_tables[:b].copy_(self._tables([ch.seq.draft_block_table for ch in chunks], b))
+        out = self._graph("draft", b, c)()
+        verify: list[Chunk] = []
+        if self.K == 1:
+            drafts = out[:g].tolist()
+            for ch, dr in zip(chunks, drafts):
+                toks = [ch.seq.token_ids[ch.start]] + dr[: n - 1]
+                parents = None if not spec.ddtree else list(range(-1, n - 1))
+                verify.append(Chunk(ch.seq, ch.start, n, tokens=toks, parents=parents))
+        else:
+            top_v, top_i = out[0][:g].tolist(), out[1][:g].tolist()
+            for ch, tv, ti in zip(chunks, top_v, top_i):
+                toks, parents = build_tree(tv, ti, spec.budget)
+                verify.append(Chunk(ch.seq, ch.start, n, tokens=[ch.seq.token_ids[ch.start]] + toks,
+                                    parents=[-1] + parents))
+        spec.stats.drafted += g * (n - 1)
+        # 2. verify
+        v_ids = torch.zeros(b, n, dtype=torch.long)
+        v_pos = torch.zeros(b, n, dtype=torch.long)
+        v_slots = torch.zeros(b, n, dtype=torch.long)
+        v_anc = torch.eye(n, dtype=torch.bool).expand(b, n, n).clone()
+        v_depth = torch.zeros(b, n, dtype=torch.long)
+        for i, ch in enumerate(verify):
+            depth = ch.depths()
+            v_ids[i] = torch.tensor(ch.tokens)
+            v_pos[i] = ch.start + torch.tensor(depth)
+            v_slots[i] = torch.tensor(spec.target_kv.slots(ch.seq.block_table, ch.start, ch.start + n))
+            v_anc[i] = ancestor_matrix(ch.parents if ch.parents is not None else list(range(-1, n - 1)))
+            v_depth[i] = torch.tensor(depth)
+        for buf, val in ((self.v_ids, v_ids), (self.v_pos, v_pos), (self.v_slots, v_slots), (self.v_anc, v_anc),
+                         (self.v_depth, v_depth)):
+            buf[:b].copy_(val)
+        self.v_start[:b].copy_(_pad([ch.start for ch in chunks], b))
+        self.v_tables[:b].copy_(self._tables([ch.seq.block_table for ch in chunks], b))
+        logits, argmax, _ = self._graph("verify", b, c)()
+        # 3. walk on the host, then the accepted rows' bookkeeping in one replay
+        committed: list[list[int]] = []
+        e_rows = torch.zeros(b, n, dtype=torch.long)
+        e_pos = torch.zeros(b, n, dtype=torch.long)
+        e_dslots = torch.zeros(b, n, dtype=torch.long)
+        e_src = torch.zeros(b, n, dtype=torch.long)
+        best = argmax[: g * n].tolist()  # the one device->host read of the step's choices
+        for i, ch in enumerate(verify):
+            choose = chooser(ch, logits[i * n: (i + 1) * n], best[i * n: (i + 1) * n])
+            path, tokens = walk(ch, choose)
+            committed.append(tokens)
+            rows = path + [path[-1]] * (n - len(path))
+            e_rows[i] = torch.tensor(rows)
+            e_pos[i] = ch.start + torch.arange(n)
+            e_dslots[i] = torch.tensor(spec.kv.slots(ch.seq.draft_block_table, ch.start, ch.start + n))
+            tslots = spec.target_kv.slots(ch.seq.block_table, ch.start, ch.start + n)
+            # Compaction: row path[d] moves to position start + d; the rest stay where they are.
+            src = list(tslots)
+            for d, r in enumerate(path):
+                src[d] = tslots[r]
+            e_src[i] = torch.tensor(src)
+            spec.record(ch.seq, ch.start, len(path))
+            ch.seq.draft_len = ch.start + len(path)
+        e_dst = torch.zeros(b, n, dtype=torch.long)
+        e_dst[:g] = v_slots[:g]
+        for buf, val in ((self.e_rows, e_rows), (self.e_pos, e_pos), (self.e_dslots, e_dslots),
+                         (self.e_src, e_src), (self.e_dst, e_dst)):
+            buf[:b].copy_(val)
+        self._graph("extend", b, c)()
+        return committed
+
+    def _tables(self, tables: list[list[int]], b: int) -> torch.Tensor:
+        nb = self.max_ctx // self.page
+        out = torch.zeros(b, nb, dtype=torch.long)
+        for i, t in enumerate(tables):
+            t = t[:nb]
+            if t:
+                out[i, : len(t)] = torch.tensor(t)
+        return out
+
+
+def _pad(values: list[int], b: int) -> torch.Tensor:
+    out = torch.zeros(b, dtype=torch.long)
+    out[: len(values)] = torch.tensor(values)
+    return out
