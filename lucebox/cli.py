@@ -41,6 +41,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-draft", action="store_true", help="plain decoding even when a drafter is available")
     p.add_argument("--ddtree", action="store_true", help="verify a draft tree (DDTree) instead of a chain")
     p.add_argument("--ddtree-budget", type=int, default=None, help="draft tree nodes per verification (default 22)")
+    p.add_argument("--no-prefix-cache", action="store_true", help="no KV reuse across requests")
+    p.add_argument("--prefix-cache-slots", type=int, default=None, help="RAM turn-boundary snapshots (default 32)")
+    p.add_argument("--prefill-cache-slots", type=int, default=None, help="RAM exact-prompt snapshots (default 4)")
+    p.add_argument("--kv-cache-dir", type=Path, default=None, help="persist snapshots here (memory-mapped files)")
+    p.add_argument("--kv-cache-budget", type=int, default=None, help="disk budget in MB (default 4096)")
+    p.add_argument("--kv-cache-min-tokens", type=int, default=None, help="don't persist shorter prefixes (256)")
 
 
 def build_parser() -> argparse.ArgumentParser:

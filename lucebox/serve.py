@@ -46,6 +46,12 @@ class ServerConfig:
     no_draft: bool = False
     ddtree: bool = False
     ddtree_budget: int = 22
+    prefix_cache: bool = True
+    prefix_cache_slots: int = 32
+    prefill_cache_slots: int = 4
+    kv_cache_dir: Path | None = None
+    kv_cache_budget: int = 4096  # MB
+    kv_cache_min_tokens: int = 256
     grace: float = 10.0
 
     @classmethod
@@ -83,6 +89,12 @@ class ServerConfig:
             no_draft=bool(getattr(args, "no_draft", False)),
             ddtree=bool(getattr(args, "ddtree", False)),
             ddtree_budget=pick("ddtree_budget", "LUCEBOX_DDTREE_BUDGET", int, 22),
+            prefix_cache=not getattr(args, "no_prefix_cache", False),
+            prefix_cache_slots=pick("prefix_cache_slots", "LUCEBOX_PREFIX_CACHE_SLOTS", int, 32),
+            prefill_cache_slots=pick("prefill_cache_slots", "LUCEBOX_PREFILL_CACHE_SLOTS", int, 4),
+            kv_cache_dir=pick("kv_cache_dir", "LUCEBOX_KV_CACHE_DIR", Path, None),
+            kv_cache_budget=pick("kv_cache_budget", "LUCEBOX_KV_CACHE_BUDGET", int, 4096),
+            kv_cache_min_tokens=pick("kv_cache_min_tokens", "LUCEBOX_KV_CACHE_MIN_TOKENS", int, 256),
         )
 
     def public(self) -> dict[str, Any]:
@@ -129,9 +141,28 @@ def load_into(ctx: ServerContext, cfg: ServerConfig) -> Any:
     draft = None if cfg.no_draft else (cfg.draft or (card.drafter_path() if card else None))
     if draft:
         engine.enable_speculation(Path(draft), ddtree=cfg.ddtree, budget=cfg.ddtree_budget)
+    if cfg.prefix_cache:
+        from lucebox.cache.manager import CacheConfig
+
+        engine.enable_prefix_cache(CacheConfig(
+            prefix_slots=cfg.prefix_cache_slots, exact_slots=cfg.prefill_cache_slots,
+            disk_dir=cfg.kv_cache_dir, disk_budget=cfg.kv_cache_budget << 20,
+            disk_min_tokens=cfg.kv_cache_min_tokens), ctx.prompt.template)
     ctx.props.update(model_props(engine, card, cfg))
     ctx.props["speculative"] = lambda: speculative_props(engine, draft, cfg)
+    ctx.props["prefix_cache"] = lambda: prefix_cache_props(engine, cfg)
     return engine
+
+
+def prefix_cache_props(engine: Any, cfg: ServerConfig) -> dict[str, Any]:
+    cache = engine.cache
+    if cache is None:
+        return {"enabled": False, "slots": 0, "in_use": 0, "hits": 0, "exact_slots": 0,
+                "disk": {"dir": None, "bytes": 0, "budget": 0}}
+    s = cache.stats()
+    return {"enabled": True, "slots": s["prefix"]["slots"], "in_use": s["prefix"]["entries"],
+            "hits": s["gpu"]["hits"] + s["prefix"]["hits"] + s["exact"]["hits"],
+            "exact_slots": s["exact"]["slots"], "disk": s["disk"], "tiers": s}
 
 
 def speculative_props(engine: Any, draft: str | None, cfg: ServerConfig) -> dict[str, Any]:
@@ -220,6 +251,21 @@ def register_engine_metrics(ctx: ServerContext) -> None:
     m.counter("lucebox_preemptions_total", "Sequences preempted for lack of KV blocks",
               lambda: eng.engine.scheduler.num_preemptions)
     m.counter("lucebox_engine_steps_total", "Model steps run", lambda: eng.steps)
+    cache = eng.engine.cache
+    if cache is not None:
+        for tier in ("gpu", "prefix", "exact"):
+            m.counter(f"lucebox_prefix_cache_{tier}_hits_total", f"Prefix cache hits, tier {tier}",
+                      lambda t=tier: cache.counters[t].hits)
+            m.counter(f"lucebox_prefix_cache_{tier}_misses_total", f"Prefix cache misses, tier {tier}",
+                      lambda t=tier: cache.counters[t].misses)
+            m.counter(f"lucebox_prefix_cache_{tier}_tokens_total", f"Prompt tokens served by tier {tier}",
+                      lambda t=tier: cache.counters[t].restored_tokens)
+        m.gauge("lucebox_prefix_cache_ram_bytes", "Bytes of KV snapshots in RAM",
+                lambda: sum(cache.stats()[t]["bytes"] for t in ("prefix", "exact")))
+        m.gauge("lucebox_prefix_cache_disk_bytes", "Bytes of KV snapshots on disk",
+                lambda: cache.stats()["disk"]["bytes"])
+        m.gauge("lucebox_prefix_cache_gpu_blocks", "KV blocks kept by the GPU prefix index",
+                lambda: cache.blocks_held)
     spec = eng.engine.spec
     if spec is not None:
         m.counter("lucebox_spec_verify_steps_total", "Speculative verification passes", lambda: spec.stats.steps)

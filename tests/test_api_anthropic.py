@@ -602,11 +602,11 @@ def _wait_aborted(live_server, before: int) -> None:
     eng = live_server.ctx.engine
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline:
-        if eng.num_disconnects > before and eng.engine.kv.pool.num_used == 0 and not eng.num_running:
+        if eng.num_disconnects > before and eng.engine.blocks_in_use == 0 and not eng.num_running:
             return
         time.sleep(0.05)
     raise AssertionError(f"generation not aborted: disconnects {eng.num_disconnects} (was {before}), "
-                         f"kv blocks used {eng.engine.kv.pool.num_used}")
+                         f"kv blocks used {eng.engine.blocks_in_use}")
 
 
 def _raw_request(live_server, body: dict) -> socket.socket:

@@ -155,7 +155,7 @@ def wait_idle(server: Any, timeout: float = 30) -> None:
     """Let generations of earlier tests (other files share `live_server`) drain first."""
     eng = server.ctx.engine
     deadline = time.monotonic() + timeout
-    while eng.num_running or eng.num_waiting or eng.engine.kv.pool.num_used:
+    while eng.num_running or eng.num_waiting or eng.engine.blocks_in_use:
         assert time.monotonic() < deadline, "the engine did not go idle"
         time.sleep(0.05)
 
@@ -411,8 +411,9 @@ def test_props(live_server):
     assert props["speculative"] == {"enabled": False, "drafter": None, "block_size": None, "ddtree": False,
                                     "ddtree_budget": None}
     assert props["pflash"] == {"mode": "off", "threshold": None, "keep_ratio": None, "scorer": None}
-    assert props["prefix_cache"] == {"slots": 0, "in_use": 0, "hits": 0, "exact_slots": 0,
-                                     "disk": {"dir": None, "bytes": 0, "budget": 0}}
+    cache = props["prefix_cache"]  # on by default: tier 0 (GPU blocks) and the RAM tiers, no disk
+    assert cache["enabled"] is True and cache["slots"] == 32 and cache["exact_slots"] == 4
+    assert cache["disk"]["dir"] is None and cache["tiers"]["gpu"]["enabled"] is True
     endpoints = {(e["method"], e["path"]) for e in props["endpoints"]}
     assert API_ROUTES <= endpoints
     engine = props["engine"]

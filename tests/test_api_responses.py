@@ -623,11 +623,11 @@ def prompt_tokens(server, body: dict) -> int:
 
 
 def wait_idle(server, deadline=10.0):
-    pool = server.ctx.engine.engine.kv.pool
+    eng = server.ctx.engine.engine
     end = time.monotonic() + deadline
-    while (pool.num_used or server.ctx.engine.num_running) and time.monotonic() < end:
+    while (eng.blocks_in_use or server.ctx.engine.num_running) and time.monotonic() < end:
         time.sleep(0.02)
-    return pool.num_used
+    return eng.blocks_in_use
 
 
 def test_sdk_non_stream_with_codex_instructions(live_server, client, codex_prompt):

@@ -183,9 +183,9 @@ def test_leaving_the_stream_early_closes_the_connection(live_server):
     while engine.num_disconnects == before and time.monotonic() < deadline:
         time.sleep(0.02)
     assert engine.num_disconnects == before + 1
-    while engine.engine.kv.pool.num_used and time.monotonic() < deadline:
+    while engine.engine.blocks_in_use and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert engine.engine.kv.pool.num_used == 0
+    assert engine.engine.blocks_in_use == 0
 
 
 # ----- workload -------------------------------------------------------------------------

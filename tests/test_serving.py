@@ -151,7 +151,7 @@ def test_64_streams_with_random_disconnects_leak_nothing(live_server):
     for t in threads:
         t.join(timeout=600)
     wait_idle(live_server, timeout=300)
-    assert eng.engine.kv.pool.num_used == 0, "KV blocks leaked"
+    assert eng.engine.blocks_in_use == 0, "KV blocks leaked"
     assert not eng.engine.scheduler.running and not eng.engine.scheduler.waiting
     hung_up = sum(1 for p, o in zip(plan, outs) if p is not None and len(o) >= p)
     assert eng.num_disconnects - before >= hung_up // 2, "disconnects were not noticed"

@@ -208,12 +208,14 @@ class GenerationRun:
         engine, builder = ctx.ready()
         # Rendering and tokenizing a long prompt takes a while: never on the loop.
         ids, text, reasoning, prefix = await asyncio.to_thread(cls._prompt, ctx, builder, req)
+        cache = engine.engine.cache
+        hint = await asyncio.to_thread(cache.prepare, ids) if cache is not None else None
         max_tokens = resolve_max_tokens(ctx, req, len(ids))
         budget = thinking_budget(ctx, req) if reasoning is not None and reasoning.enabled else None
         run = cls(ctx, req, ids, text, max_tokens, reasoning, prefix, budget, disconnected)
         params = SamplingParams(**{**req.params.__dict__, "max_tokens": max_tokens})
         try:
-            run.gen = engine.submit(ids, params, disconnected)
+            run.gen = engine.submit(ids, params, disconnected, cache_hint=hint)
         except QueueFull as exc:
             raise HttpError(503, str(exc), "overloaded_error", headers={"Retry-After": "1"}) from None
         except LuceboxError as exc:

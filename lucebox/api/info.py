@@ -64,6 +64,7 @@ def register(router: Router, ctx: ServerContext) -> None:
     router.add("GET", "/metrics", bind(metrics))
     router.add("GET", "/status", bind(status_page))
     router.add("GET", "/status/json", bind(status_json))
+    router.add("POST", "/cache/clear", bind(cache_clear))
     m = ctx.metrics
     m.gauge("lucebox_model_loaded", "1 once the model is loaded and the engine runs", lambda: ctx.engine is not None)
     m.gauge("lucebox_prefill_tokens_per_second", "Prompt tokens/s over the recent generations",
@@ -127,6 +128,18 @@ async def props(ctx: ServerContext, router: Router, request: Request, response: 
 
 async def metrics(ctx: ServerContext, request: Request, response: Response) -> None:
     await response.send_text(200, ctx.metrics.render(), content_type=PROMETHEUS_TEXT)
+
+
+async def cache_clear(ctx: ServerContext, request: Request, response: Response) -> None:
+    """Admin: drop every prefix-cache entry (GPU index, RAM snapshots, disk files)."""
+    engine, _ = ctx.ready()
+    cache = engine.engine.cache
+    if cache is None:
+        await response.send_json(200, {"cleared": False, "reason": "the prefix cache is off"})
+        return
+    # The engine thread owns the GPU index: clear between two steps, on that thread.
+    done = await asyncio.wrap_future(engine.call_in_engine(cache.clear))
+    await response.send_json(200, {"cleared": True, **done})
 
 
 async def status_page(ctx: ServerContext, request: Request, response: Response) -> None:

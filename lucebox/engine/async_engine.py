@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import logging
 import threading
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 from lucebox.engine.llm_engine import LLMEngine, StepOutput
 from lucebox.engine.sampler import SamplingParams
@@ -132,16 +134,22 @@ class AsyncEngine:
         return len(self.engine.scheduler.running)
 
     def submit(
-        self, prompt_ids: list[int], params: SamplingParams, disconnected: asyncio.Event | None = None
+        self, prompt_ids: list[int], params: SamplingParams, disconnected: asyncio.Event | None = None,
+        cache_hint: object = None,
     ) -> Generation:
         """Queue a request (raises LuceboxError for bad input, QueueFull past --max-queue)."""
         if self.num_waiting >= self.max_queue:
             raise QueueFull(f"the server has {self.num_waiting} requests waiting (limit {self.max_queue}); retry later")
         seq = self.engine.new_sequence(prompt_ids, params)
+        seq.cache_hint = cache_hint
         gen = Generation(seq, disconnected)
         self._active[seq.seq_id] = gen
         self._command("add", gen)
         return gen
+
+    def call_in_engine(self, fn: Any) -> concurrent.futures.Future:
+        """Run `fn()` on the engine thread between two steps (state only that thread may touch)."""
+        return self._executor.submit(fn)
 
     def cancel(self, gen: Generation, reason: str = "cancelled") -> None:
         if gen.finish_reason is None:

@@ -11,7 +11,7 @@ import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -24,6 +24,7 @@ from lucebox.engine.sequence import Chunk, Sequence
 from lucebox.errors import LuceboxError
 
 if TYPE_CHECKING:
+    from lucebox.cache.manager import PrefixCache
     from lucebox.engine.spec.dflash import SpecDecoder
 
 log = logging.getLogger(__name__)
@@ -94,6 +95,7 @@ class LLMEngine:
         )
         self.last_step: list[tuple[int, int, int]] = []  # (seq id, start, rows) of the last step, for stats
         self.spec: SpecDecoder | None = None
+        self.cache: PrefixCache | None = None
         if self.config.draft:
             self.enable_speculation(Path(self.config.draft), ddtree=self.config.ddtree,
                                     budget=self.config.ddtree_budget)
@@ -116,6 +118,30 @@ class LLMEngine:
         self.set_speculation(SpecDecoder(drafter, self.loaded.model, self.kv, ddtree=ddtree, budget=budget))
         log.info("speculative decoding: DFlash drafter %s (%d layers, block %d)%s", draft,
                  drafter.cfg.num_layers, drafter.cfg.block_size, f", DDTree budget {budget}" if ddtree else "")
+
+    def enable_prefix_cache(self, cfg: Any, template: Any = None) -> None:
+        """Tiered prefix cache (lucebox.cache): GPU blocks, RAM snapshots, optional disk."""
+        from lucebox.cache.layout import layout_id
+        from lucebox.cache.manager import PrefixCache
+        from lucebox.cache.markers import ChatMarkers, NoChatMarkers
+
+        markers = None
+        if template is not None:
+            try:
+                markers = ChatMarkers.from_template(template, self.tokenizer)
+            except NoChatMarkers as exc:
+                log.info("prefix cache: no turn markers in the chat template (%s); turn snapshots off", exc)
+        mc = self.model_config
+        layout = layout_id(model_path=self.loaded.path, kv_dtype=self.kv.data.dtype, block_size=self.kv.block_size,
+                           n_ctx=self.n_ctx, template_sha1=template.sha1 if template is not None else "",
+                           num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim)
+        self.cache = PrefixCache(cfg, self.kv, markers, layout)
+        self.scheduler.cache = self.cache
+
+    @property
+    def blocks_in_use(self) -> int:
+        """KV blocks held by sequences (what the prefix cache keeps alive is not counted)."""
+        return self.kv.pool.num_used - (self.cache.blocks_held if self.cache is not None else 0)
 
     def set_speculation(self, spec: SpecDecoder | None) -> None:
         """Switch decoding mode (only between requests: no sequence may be running)."""

@@ -17,10 +17,14 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 from lucebox.engine.kv_cache import KVCache
 from lucebox.engine.sampler import TokenLogprobs
 from lucebox.engine.sequence import Chunk, SeqStatus, Sequence
+
+if TYPE_CHECKING:
+    from lucebox.cache.manager import PrefixCache
 
 
 class Scheduler:
@@ -42,6 +46,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.decode_rows = 1  # rows a decoding sequence brings to a step (speculative: block or tree size)
+        self.cache: PrefixCache | None = None  # reuses and remembers prompt prefixes (lucebox.cache)
         self.on_release: Callable[[Sequence], None] | None = None  # frees per-sequence state elsewhere (drafter)
 
     # ----- queue -------------------------------------------------------------
@@ -87,8 +92,13 @@ class Scheduler:
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if self.cache is not None and not seq.cache_attached:
+                seq.cache_attached = True
+                self.cache.attach(seq)  # may start it from cached blocks / a restored snapshot
             n = min(seq.num_pending, budget)
             need = self.kv.blocks_for(seq.num_computed + n) - len(seq.block_table)
+            if need > self.kv.pool.num_free and self.cache is not None:
+                self.cache.evict(need - self.kv.pool.num_free)
             if need > self.kv.pool.num_free:
                 break
             self.waiting.popleft()
@@ -105,6 +115,8 @@ class Scheduler:
         A preempted sequence's chunk, if already scheduled this step, is dropped.
         """
         need = self.kv.blocks_for(num_tokens) - len(seq.block_table)
+        if need > self.kv.pool.num_free and self.cache is not None:
+            self.cache.evict(need - self.kv.pool.num_free)  # cached prefixes go before running sequences
         while need > self.kv.pool.num_free:
             victim = self.running[-1]
             self._preempt(victim)
@@ -117,10 +129,13 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        if self.cache is not None:
+            self.cache.index_prefix(seq)  # its recompute will find these blocks if they survive
         self.kv.pool.decref(seq.block_table)
         seq.block_table = []
         if self.on_release is not None:
             self.on_release(seq)
+        seq.cache_attached = False
         seq.num_computed = 0
         seq.num_cached = 0
         seq.status = SeqStatus.WAITING
@@ -177,6 +192,8 @@ class Scheduler:
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
+        if self.cache is not None and seq.block_table and reason in ("stop", "length") and seq.num_output:
+            self.cache.commit(seq)
         if seq.block_table:
             self.kv.pool.decref(seq.block_table)
             seq.block_table = []

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -38,6 +39,8 @@ class Sequence:
     # DFlash: the sequence's blocks in the drafter's KV cache and how many positions they hold.
     draft_block_table: list[int] = field(default_factory=list)
     draft_len: int = 0
+    cache_hint: Any = None  # lucebox.cache.manager.CacheHint: the prompt's cache keys, computed off the engine
+    cache_attached: bool = False  # the prefix cache has set this sequence's starting blocks
     spec_steps: int = 0  # verification passes this sequence took part in
     spec_committed: int = 0  # tokens they committed (acceptance length = committed / steps)
 

@@ -29,6 +29,8 @@ from lucebox.engine.attention import AttentionMetadata, _attend_group, paged_att
 from lucebox.engine.config import ModelConfig
 from lucebox.engine.models.layers import RMSNorm, Rotary, apply_rotary, rope_inv_freq
 
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, head_dim]
+
 
 class DecoderBlock(nn.Module):
     """Pre-norm attention + gated MLP; Gemma 3 adds norms after each (sandwich)."""
@@ -124,9 +126,13 @@ class DecoderBlock(nn.Module):
             x, residual = ops.rms_norm(h, self.attn_norm.weight, self.attn_norm.eps), h
         else:
             x, residual = ops.add_rms_norm(h, residual, self.attn_norm.weight, self.attn_norm.eps)
-        qk_norm = (self.attn_q_norm.weight, self.attn_k_norm.weight) if hasattr(self, "attn_q_norm") else (None, None)
-        q, k, v = ops.rope_qk_and_cache(self.attn_qkv(x), *rope, k_cache, v_cache, meta.slot_mapping,
-                                        self.num_heads, self.num_kv_heads, *qk_norm, eps=self.attn_norm.eps)
+        qk_norm = hasattr(self, "attn_q_norm")
+        q, k, v = ops.rope_qk_and_cache(
+            self.attn_qkv(x), *rope, k_cache, v_cache, meta.slot_mapping, self.num_heads, self.num_kv_heads,
+            q_norm_w=self.attn_q_norm.weight if qk_norm else None,
+            k_norm_w=self.attn_k_norm.weight if qk_norm else None,
+            eps=self.attn_q_norm.eps if qk_norm else 0.0,
+        )
         a = _attend_cached(q, k, v, k_cache, v_cache, meta, self.scale, self.sliding)
         a = self.attn_output(a.reshape(h.shape[0], -1))
         # Gemma 3's post-attention norm happens in the same kernel, before the add.
@@ -226,7 +232,7 @@ class DecoderModel(nn.Module):
     def _forward_fused(
         self,
         h: torch.Tensor,
-        ropes: dict[str, tuple[torch.Tensor, torch.Tensor]],
+        ropes: dict[str, Rope],
         kv: torch.Tensor,
         meta: AttentionMetadata,
         capture: Sequence[int],
@@ -241,7 +247,7 @@ class DecoderModel(nn.Module):
         return (h if residual is None else h + residual), captured
 
     @staticmethod
-    def _rope(block: DecoderBlock, ropes: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, ...]:
+    def _rope(block: DecoderBlock, ropes: dict[str, Rope]) -> Rope:
         return ropes["sliding"] if block.sliding and "sliding" in ropes else ropes["full"]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

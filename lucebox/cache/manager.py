@@ -1,0 +1,242 @@
+"""The prefix cache as the engine uses it: one object over the tiers, three calls.
+
+    hint = cache.prepare(prompt_ids)   # request thread: boundary keys, promote disk entries to RAM
+    cache.attach(seq)                  # engine thread, at admission: reuse GPU blocks, restore a snapshot
+    cache.commit(seq)                  # engine thread, when a request finished well: index and snapshot it
+
+Tier 0 (GPU blocks) shares KV without copying; tier 1 (turn boundaries) and
+tier 2 (the exact prompt) restore host-RAM snapshots into fresh blocks; the
+disk store persists tiers 1 and 2 across restarts. Request threads and the
+engine thread both touch the RAM pools, so they are used under one lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from lucebox.cache.disk import DiskStore
+from lucebox.cache.markers import ChatMarkers
+from lucebox.cache.prefix_index import PrefixIndex
+from lucebox.cache.snapshots import SnapshotPool, gather_kv, prefix_keys, scatter_kv, token_key
+from lucebox.engine.kv_cache import KVCache, OutOfBlocks
+from lucebox.engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class CacheConfig:
+    gpu: bool = True  # tier 0: finished sequences' blocks stay indexed by prefix
+    prefix_slots: int = 32  # tier 1 RAM slots (turn boundaries); 0 = off
+    exact_slots: int = 4  # tier 2 RAM slots (exact prompt); 0 = off
+    ram_bytes: int = 2 << 30  # bound on each RAM pool
+    min_tokens: int = 64  # smaller prefixes are not snapshotted (tier 0 still shares them)
+    disk_dir: Path | None = None
+    disk_budget: int = 4 << 30  # bytes
+    disk_min_tokens: int = 256
+
+
+@dataclass
+class CacheHint:
+    """What a request brings to the cache, computed off the engine thread."""
+
+    bounds: list[int] = field(default_factory=list)  # turn boundaries in the prompt (may include len(prompt))
+    keys: dict[int, str] = field(default_factory=dict)  # boundary -> SHA-1 of the prompt up to it
+    exact_key: str = ""
+
+
+@dataclass
+class TierCounters:
+    hits: int = 0
+    misses: int = 0
+    restored_tokens: int = 0
+
+
+class PrefixCache:
+    def __init__(self, cfg: CacheConfig, kv: KVCache, markers: ChatMarkers | None, layout: str | None) -> None:
+        self.cfg = cfg
+        self.kv = kv
+        self.markers = markers
+        self.index = PrefixIndex(kv.pool, kv.block_size) if cfg.gpu else None
+        self.prefix = SnapshotPool(cfg.prefix_slots, "prefix", max_bytes=cfg.ram_bytes) \
+            if cfg.prefix_slots and markers is not None else None
+        self.exact = SnapshotPool(cfg.exact_slots, "exact", max_bytes=cfg.ram_bytes) if cfg.exact_slots else None
+        self.disk = DiskStore(cfg.disk_dir, layout, cfg.disk_budget, cfg.disk_min_tokens) \
+            if cfg.disk_dir is not None and layout is not None else None
+        self._lock = threading.Lock()
+        self.counters = {"gpu": TierCounters(), "prefix": TierCounters(), "exact": TierCounters()}
+
+    # ----- request thread -----------------------------------------------------
+
+    def prepare(self, prompt_ids: list[int]) -> CacheHint:
+        """Keys for the prompt; disk entries it could use are loaded into the RAM pools now."""
+        hint = CacheHint(exact_key=token_key(prompt_ids))
+        if self.markers is not None:
+            hint.bounds = self.markers.boundaries(prompt_ids)
+            ends = [b for b in hint.bounds if b < len(prompt_ids)]
+            hint.keys = dict(zip(ends, prefix_keys(prompt_ids, ends)))
+        if self.disk is not None:
+            self._promote(prompt_ids, hint)
+        return hint
+
+    def _promote(self, prompt_ids: list[int], hint: CacheHint) -> None:
+        with self._lock:
+            in_ram = (self.exact is not None and hint.exact_key in self.exact)
+        if self.exact is not None and not in_ram and self.disk.contains(2, hint.exact_key):
+            snap = self.disk.get(2, hint.exact_key)
+            if snap is not None and np.array_equal(snap.tokens, np.asarray(prompt_ids, dtype=np.int32)):
+                with self._lock:
+                    self.exact.put(hint.exact_key, snap.tokens, snap.kv.clone())
+                return
+        if self.prefix is None:
+            return
+        for end in sorted(hint.keys, reverse=True):
+            key = hint.keys[end]
+            with self._lock:
+                if key in self.prefix:
+                    return
+            if self.disk.contains(1, key):
+                snap = self.disk.get(1, key)
+                if snap is not None and np.array_equal(snap.tokens, np.asarray(prompt_ids[:end], dtype=np.int32)):
+                    with self._lock:
+                        self.prefix.put(key, snap.tokens, snap.kv.clone())
+                    return
+
+    # ----- engine thread ------------------------------------------------------
+
+    def attach(self, seq: Sequence) -> None:
+        """At admission: start the sequence from the longest cached prefix (GPU blocks, then a snapshot)."""
+        tokens = seq.token_ids
+        cached = 0
+        if self.index is not None:
+            blocks = self.index.lookup(tokens[:-1])
+            self.kv.pool.incref(blocks)
+            seq.block_table = list(blocks)
+            cached = len(blocks) * self.kv.block_size
+            self._count("gpu", cached)
+        hint = seq.cache_hint
+        if hint is not None and seq.num_output == 0 and cached < len(tokens) - 1:
+            snap, end, tier = self._find_snapshot(seq.prompt_ids, hint)
+            if snap is not None and end > cached and self._grow(seq, end):
+                scatter_kv(self.kv, seq.block_table, snap.kv, start=cached, end=end)
+                self.counters[tier].restored_tokens += end - cached
+                cached = end
+        seq.num_cached = seq.num_computed = cached
+
+    def _find_snapshot(self, prompt: list[int], hint: CacheHint) -> tuple[Any, int, str]:
+        """Tier 2 wins over tier 1; returns (snapshot, positions it covers, tier)."""
+        with self._lock:
+            if self.exact is not None:
+                snap = self.exact.get(hint.exact_key)
+                if snap is not None and len(snap.tokens) == len(prompt) and np.array_equal(
+                        snap.tokens, np.asarray(prompt, dtype=np.int32)):
+                    self.counters["exact"].hits += 1
+                    return snap, len(prompt) - 1, "exact"
+                self.counters["exact"].misses += 1
+            if self.prefix is not None and hint.keys:
+                ends = sorted(hint.keys)
+                found = self.prefix.longest_prefix(prompt, ends, [hint.keys[e] for e in ends])
+                if found is not None:
+                    end, snap = found
+                    self.counters["prefix"].hits += 1
+                    return snap, min(end, len(prompt) - 1), "prefix"
+                self.counters["prefix"].misses += 1
+        return None, 0, ""
+
+    def _grow(self, seq: Sequence, n_tokens: int) -> bool:
+        need = self.kv.blocks_for(n_tokens) - len(seq.block_table)
+        if need > self.kv.pool.num_free:
+            self.evict(need - self.kv.pool.num_free)
+        try:
+            seq.block_table.extend(self.kv.pool.allocate(max(need, 0)))
+        except OutOfBlocks:
+            return False
+        return True
+
+    def _count(self, tier: str, tokens: int) -> None:
+        c = self.counters[tier]
+        if tokens:
+            c.hits += 1
+            c.restored_tokens += tokens
+        else:
+            c.misses += 1
+
+    def evict(self, n_blocks: int) -> int:
+        """Free up to `n_blocks` GPU blocks that only the index holds (LRU)."""
+        return len(self.index.evict(n_blocks)) if self.index is not None and n_blocks > 0 else 0
+
+    @property
+    def blocks_held(self) -> int:
+        """Blocks the index keeps alive beyond any sequence."""
+        return self.index.num_held_alone() if self.index is not None else 0
+
+    def index_prefix(self, seq: Sequence) -> None:
+        """Tier 0 only (a preempted sequence): keep its computed blocks findable."""
+        if self.index is not None and seq.num_computed:
+            self.index.insert(seq.token_ids[: seq.num_computed], seq.block_table)
+
+    def commit(self, seq: Sequence) -> None:
+        """A request finished well (it produced tokens, the client stayed): remember its prefix."""
+        self.index_prefix(seq)
+        hint = seq.cache_hint
+        if hint is None:
+            return
+        prompt = seq.prompt_ids
+        computed = min(seq.num_computed, len(seq.token_ids))
+        if self.prefix is not None and len(hint.bounds) >= 2:
+            b = hint.bounds[-2]  # everything before the newest turn's content
+            key = hint.keys.get(b)
+            if key is not None and self.cfg.min_tokens <= b <= computed:
+                with self._lock:
+                    fresh = key not in self.prefix
+                if fresh:
+                    snap_kv = gather_kv(self.kv, seq.block_table, b)
+                    with self._lock:
+                        self.prefix.put(key, prompt[:b], snap_kv)
+                    if self.disk is not None:
+                        self.disk.put_async(1, key, prompt[:b], snap_kv)
+        n = len(prompt) - 1
+        if self.exact is not None and self.cfg.min_tokens <= n <= computed:
+            with self._lock:
+                fresh = hint.exact_key not in self.exact
+            if fresh:
+                snap_kv = gather_kv(self.kv, seq.block_table, n)
+                with self._lock:
+                    self.exact.put(hint.exact_key, prompt, snap_kv)
+                if self.disk is not None:
+                    self.disk.put_async(2, hint.exact_key, prompt, snap_kv)
+
+    # ----- admin and stats ----------------------------------------------------
+
+    def clear(self) -> dict[str, int]:
+        with self._lock:
+            freed = len(self.index.clear()) if self.index is not None else 0
+            for pool in (self.prefix, self.exact):
+                if pool is not None:
+                    pool.clear()
+        removed = self.disk.clear() if self.disk is not None else 0
+        return {"gpu_blocks_freed": freed, "disk_entries_removed": removed}
+
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"gpu": {**self.counters["gpu"].__dict__, "enabled": self.index is not None,
+                                       "blocks": len(self.index) if self.index is not None else 0}}
+        with self._lock:
+            for name, pool in (("prefix", self.prefix), ("exact", self.exact)):
+                s = pool.stats() if pool is not None else None
+                out[name] = {**self.counters[name].__dict__, "enabled": pool is not None,
+                             "slots": s.slots if s else 0, "entries": s.entries if s else 0,
+                             "bytes": s.bytes if s else 0}
+        if self.disk is not None:
+            d = self.disk.stats()
+            out["disk"] = {"dir": str(self.cfg.disk_dir), "entries": d.entries, "bytes": d.bytes,
+                           "budget": d.budget, "hits": d.hits, "misses": d.misses,
+                           "corrupt_removed": d.corrupt_removed, "written": d.written, "evicted": d.evicted}
+        else:
+            out["disk"] = {"dir": None, "entries": 0, "bytes": 0, "budget": 0}
+        return out

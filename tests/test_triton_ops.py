@@ -1,0 +1,247 @@
+"""The fused Triton kernels (lucebox/engine/triton_ops.py) against their torch references, and the decoder's
+fused path against its eager path on tiny models of every architecture.
+
+Runs on CUDA, or on the CPU under Triton's interpreter (TRITON_INTERPRET=1) when triton is importable; skips
+otherwise. The interpreter runs every dtype, but rounds fp32 -> bf16 toward zero where GPUs round to nearest,
+hence the 2-ulp bf16 tolerance. It runs one Python program per row, so there T = 300 is tested in fp32 only.
+The CUDA graph test runs on CUDA only.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+ops = pytest.importorskip("lucebox.engine.triton_ops")
+if ops.triton is None:
+    pytest.skip("triton is not installed", allow_module_level=True)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+INTERPRETER = DEVICE == "cpu"
+if INTERPRETER and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("no CUDA; set TRITON_INTERPRET=1 to run the kernels on the CPU", allow_module_level=True)
+
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")  # interpreter's numpy
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+ROWS = [1, 3, 300]
+# (q heads, kv heads, head_dim, q/k norm): SmolLM2-135M, Gemma 3 270M, Qwen3-8B.
+HEADS = {"smollm2": (9, 3, 64, False), "gemma3": (4, 1, 256, True), "qwen3-8b": (32, 8, 128, True)}
+
+
+def cases(extra: list, interpreted_t300: tuple = ()) -> list:
+    """dtype x rows x extra parameters, less the slow interpreter cases: there T = 300 runs in fp32 only,
+    and only for the `extra` values in `interpreted_t300` if that is given."""
+    out = []
+    for dtype in DTYPES:
+        for t in ROWS:
+            for e in extra:
+                slow = INTERPRETER and t == 300 and (dtype != torch.float32 or e not in (interpreted_t300 or extra))
+                mark = pytest.mark.skip(reason="interpreter: slow, T=300 covered by another case") if slow else ()
+                out.append(pytest.param(dtype, t, e, marks=mark, id=f"{str(dtype)[6:]}-T{t}-{e}"))
+    return out
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    tol = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[ref.dtype]
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+
+
+def randn(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.randn(*shape, device=DEVICE).to(dtype)
+
+
+def norm_weight(n: int) -> torch.Tensor:
+    return torch.rand(n, device=DEVICE) + 0.5  # fp32, as DecoderModel.finalize keeps norm weights
+
+
+@pytest.mark.parametrize("dtype,t,hidden", cases([576, 640, 4096]))
+def test_rms_norm(dtype, t, hidden):
+    torch.manual_seed(0)
+    x, w = 3 * randn(t, hidden, dtype=dtype), norm_weight(hidden)
+    assert_close(ops.rms_norm(x, w, 1e-5), ops.rms_norm_ref(x, w, 1e-5))
+
+
+def test_rms_norm_keeps_leading_dims_and_reads_strided_rows():
+    torch.manual_seed(0)
+    x = randn(4, 3, 2 * 64, dtype=torch.float32)[..., 64:]  # rows not contiguous with each other
+    w = norm_weight(64)
+    assert_close(ops.rms_norm(x, w, 1e-6), ops.rms_norm_ref(x, w, 1e-6))
+
+
+@pytest.mark.parametrize("dtype,t,post_norm", cases([False, True]))
+def test_add_rms_norm(dtype, t, post_norm):
+    torch.manual_seed(0)
+    hidden = 576
+    x, residual, w = randn(t, hidden, dtype=dtype), 4 * randn(t, hidden, dtype=dtype), norm_weight(hidden)
+    xw = norm_weight(hidden) if post_norm else None
+    normed, new_residual = ops.add_rms_norm(x, residual, w, 1e-6, x_weight=xw)
+    normed_ref, new_residual_ref = ops.add_rms_norm_ref(x, residual, w, 1e-6, x_weight=xw)
+    assert_close(new_residual, new_residual_ref)
+    assert_close(normed, normed_ref)
+
+
+def rope_tables(positions: torch.Tensor, dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    inv = 1.0 / (10_000.0 ** (torch.arange(0, dim, 2, device=DEVICE).float() / dim))
+    freqs = positions.float()[:, None] * inv[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+@pytest.mark.parametrize("dtype,t,model", cases(list(HEADS), interpreted_t300=("smollm2",)))
+def test_rope_qk_and_cache(dtype, t, model):
+    torch.manual_seed(0)
+    hq, hkv, dim, qk_norm = HEADS[model]
+    n_slots = 512
+    qkv = 2 * randn(t, (hq + 2 * hkv) * dim, dtype=dtype)
+    cos, sin = rope_tables(torch.randint(0, 4000, (t,), device=DEVICE), dim, dtype)
+    slots = torch.randperm(n_slots, device=DEVICE)[:t]
+    qw, kw = (norm_weight(dim), norm_weight(dim)) if qk_norm else (None, None)
+    # The caches are views into one [layers, 2, slots, kv_heads, head_dim] tensor, as the engine's are.
+    kv = randn(2, 2, n_slots, hkv, dim, dtype=dtype)
+    kv_ref = kv.clone()
+    q, k, v = ops.rope_qk_and_cache(qkv, cos, sin, kv[1, 0], kv[1, 1], slots, hq, hkv, qw, kw, eps=1e-6)
+    q_ref, k_ref, v_ref = ops.rope_qk_and_cache_ref(qkv, cos, sin, kv_ref[1, 0], kv_ref[1, 1], slots, hq, hkv,
+                                                    qw, kw, eps=1e-6)
+    assert_close(q, q_ref)
+    assert_close(k, k_ref)
+    assert torch.equal(v, v_ref)
+    assert_close(kv, kv_ref)  # the new rows, and nothing else, changed
+    assert torch.equal(kv[0], kv_ref[0]) and torch.equal(kv[1, 1], kv_ref[1, 1])
+
+
+@pytest.mark.parametrize("dtype,t,act", cases(list(ops.ACTS)))
+@pytest.mark.parametrize("ffn", [100, 1536])
+def test_act_mul(dtype, t, act, ffn):
+    if INTERPRETER and t == 300 and ffn > 100:
+        pytest.skip("interpreter: slow, T=300 covered by ffn=100")
+    torch.manual_seed(0)
+    gate_up = 3 * randn(t, 2 * ffn, dtype=dtype)
+    assert_close(ops.act_mul(gate_up, act), ops.act_mul_ref(gate_up, act))
+
+
+def test_bad_shapes_are_refused():
+    x = randn(2, 64, dtype=torch.float32)
+    with pytest.raises(ValueError, match="weight shape"):
+        ops.rms_norm(x, norm_weight(32), 1e-6)
+    with pytest.raises(ValueError, match="residual"):
+        ops.add_rms_norm(x, x[:1], norm_weight(64), 1e-6)
+    with pytest.raises(ValueError, match="unknown activation"):
+        ops.act_mul(x, "relu")
+    cache = randn(16, 1, 16, dtype=torch.float32)
+    cos = randn(2, 16, dtype=torch.float32)
+    slots = torch.zeros(2, dtype=torch.long, device=DEVICE)
+    with pytest.raises(ValueError, match="qkv"):
+        ops.rope_qk_and_cache(x, cos, cos, cache, cache, slots, 3, 1)
+    with pytest.raises(ValueError, match="both"):
+        ops.rope_qk_and_cache(x, cos, cos, cache, cache, slots, 2, 1, q_norm_w=norm_weight(16))
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need CUDA")
+def test_kernels_replay_in_a_cuda_graph():
+    torch.manual_seed(0)
+    hq, hkv, dim, _ = HEADS["smollm2"]
+    t, hidden, dtype = 4, 576, torch.bfloat16
+    x, residual = randn(t, hidden, dtype=dtype), randn(t, hidden, dtype=dtype)
+    w = norm_weight(hidden)
+    qkv = randn(t, (hq + 2 * hkv) * dim, dtype=dtype)
+    cos, sin = rope_tables(torch.arange(t, device=DEVICE), dim, dtype)
+    slots = torch.arange(t, device=DEVICE)
+    gate_up = randn(t, 2 * 1536, dtype=dtype)
+    k_cache, v_cache = torch.zeros(64, hkv, dim, dtype=dtype, device=DEVICE), torch.zeros(64, hkv, dim, dtype=dtype,
+                                                                                         device=DEVICE)
+
+    def step():
+        return (*ops.add_rms_norm(x, residual, w, 1e-5), ops.rope_qk_and_cache(qkv, cos, sin, k_cache, v_cache,
+                                                                                 slots, hq, hkv)[0],
+                ops.act_mul(gate_up, "silu"))
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # compile outside the graph
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    for tensor in (x, residual, qkv, gate_up):  # new inputs in the captured buffers
+        tensor.copy_(torch.randn_like(tensor))
+    slots.copy_(torch.arange(10, 10 + t, device=DEVICE))
+    graph.replay()
+    torch.cuda.synchronize()
+    k_ref, v_ref = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+    refs = (*ops.add_rms_norm_ref(x, residual, w, 1e-5),
+            ops.rope_qk_and_cache_ref(qkv, cos, sin, k_ref, v_ref, slots, hq, hkv)[0], ops.act_mul_ref(gate_up, "silu"))
+    for out, ref in zip(outs, refs):
+        assert_close(out, ref)
+    assert_close(k_cache[10:10 + t], k_ref[10:10 + t])
+    assert torch.equal(v_cache[10:10 + t], v_ref[10:10 + t])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The decoder: fused path == eager path
+
+
+@pytest.fixture
+def kernels_on_cpu(monkeypatch):
+    """Let the decoder take the fused path on CPU tensors (under the interpreter)."""
+    if INTERPRETER:
+        monkeypatch.setattr(ops, "ON_CPU", True)
+
+
+@torch.inference_mode()
+def prefill(engine, ids: list[int]) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+    """One prompt through the model as `LLMEngine.score` runs it: logits, the outputs of the first and last
+    layers (DFlash's capture), and the first block called on its own (`DecoderBlock.forward`)."""
+    from lucebox.engine.sampler import SamplingParams
+    from lucebox.engine.sequence import Chunk, Sequence
+
+    model = engine.loaded.model
+    seq = Sequence(list(ids), SamplingParams())
+    seq.block_table = engine.kv.pool.allocate(engine.kv.blocks_for(len(ids)))
+    try:
+        inputs = engine.runner.prepare([Chunk(seq, 0, len(ids))])
+        hidden, captured = model(inputs.input_ids, inputs.positions, engine.kv.data, inputs.meta,
+                                 capture=(0, len(model.blk) - 1))
+        block = model.blk[0]
+        rotary = model.rotary["sliding" if block.sliding and "sliding" in model.rotary else "full"]
+        h = model.embed(inputs.input_ids)
+        first = block(h, rotary(inputs.positions, h.dtype), engine.kv.data[0, 0], engine.kv.data[0, 1], inputs.meta)
+        return model.logits(hidden).float(), captured, first
+    finally:
+        engine.kv.pool.decref(seq.block_table)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
+def test_fused_decoder_matches_eager(arch, tiny_gguf, monkeypatch, kernels_on_cpu):
+    from lucebox.engine.llm_engine import EngineConfig, LLMEngine
+    from lucebox.engine.sampler import SamplingParams
+
+    path = tiny_gguf(arch)
+    ids = [(7 * i + 3) % 200 + 3 for i in range(20)]  # > 16 tokens: crosses tiny Gemma 3's sliding window
+    prompts = [ids[:12]] if INTERPRETER else [ids[:12], ids]  # decoding 6 tokens also crosses it
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    results = {}
+    calls = []
+    rope = ops.rope_qk_and_cache
+    monkeypatch.setattr(ops, "rope_qk_and_cache", lambda *a, **kw: calls.append(1) or rope(*a, **kw))
+    for fused in (False, True):
+        monkeypatch.setattr(ops, "ENABLED", fused)
+        # A fresh engine each time: CUDA graphs keep the path they were captured with.
+        engine = LLMEngine.from_path(path, EngineConfig(device=DEVICE, dtype="float32", kv_tokens=1024), quiet=True)
+        results[fused] = prefill(engine, ids), engine.generate(prompts, params)
+        assert bool(calls) == fused, "the fused path must run exactly when enabled"
+    ((logits, captured, first), tokens), ((f_logits, f_captured, f_first), f_tokens) = results[False], results[True]
+
+    def assert_rel(ours: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+        diff = (ours - ref).abs().max().item()
+        assert diff <= 1e-4 * ref.abs().max().item(), f"{arch} {what}: max |diff| {diff:.2e}"
+
+    assert_rel(f_logits, logits, "logits")
+    assert_rel(f_first, first, "first block")
+    assert len(f_captured) == len(captured) == 2
+    for ours, ref in zip(f_captured, captured):
+        assert_rel(ours, ref, "captured layer output")
+    assert f_tokens == tokens
