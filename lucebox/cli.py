@@ -42,6 +42,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ddtree", action="store_true", help="verify a draft tree (DDTree) instead of a chain")
     p.add_argument("--ddtree-budget", type=int, default=None, help="draft tree nodes per verification (default 22)")
     p.add_argument("--no-prefix-cache", action="store_true", help="no KV reuse across requests")
+    p.add_argument("--no-gpu-prefix-cache", action="store_true", help="keep no finished KV blocks on the device")
     p.add_argument("--prefix-cache-slots", type=int, default=None, help="RAM turn-boundary snapshots (default 32)")
     p.add_argument("--prefill-cache-slots", type=int, default=None, help="RAM exact-prompt snapshots (default 4)")
     p.add_argument("--kv-cache-dir", type=Path, default=None, help="persist snapshots here (memory-mapped files)")
@@ -79,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--show-ids", action="store_true", help="print the generated token ids on stderr at the end")
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("bench", help="benchmarks (decode, serve, spec)")
+    p = sub.add_parser("bench", help="benchmarks (decode, serve, spec, cache)")
     bench = p.add_subparsers(dest="bench", required=True)
     b = bench.add_parser("decode", help="prefill and decode tok/s, this engine vs transformers")
     add_engine_args(b)
@@ -121,6 +122,18 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--data-dir", type=Path, default=None, help="the shared data folder")
     b.add_argument("--json", type=Path, default=Path("bench_spec.json"), help="where to write the results")
     b.set_defaults(func=_lazy("lucebox.bench.spec", "main"))
+
+    b = bench.add_parser("cache", help="prefix cache on replayed agent sessions: TTFT per turn, per tier, restart")
+    add_engine_args(b)
+    b.add_argument("--sessions", type=int, default=3)
+    b.add_argument("--turns", type=int, default=4)
+    b.add_argument("--system-chars", type=int, default=12000, help="system prompt length (characters)")
+    b.add_argument("--user-chars", type=int, default=1500, help="user turn length (characters)")
+    b.add_argument("--gen-len", type=int, default=32, help="assistant tokens per turn")
+    b.add_argument("--kv-cache-dir", type=Path, default=None, help="disk tier folder (default: a temp folder)")
+    b.add_argument("--data-dir", type=Path, default=None, help="the shared data folder")
+    b.add_argument("--json", type=Path, default=Path("bench_cache.json"), help="where to write the results")
+    b.set_defaults(func=_lazy("lucebox.bench.cache", "main"))
     return parser
 
 

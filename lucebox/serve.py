@@ -47,6 +47,7 @@ class ServerConfig:
     ddtree: bool = False
     ddtree_budget: int = 22
     prefix_cache: bool = True
+    gpu_prefix_cache: bool = True
     prefix_cache_slots: int = 32
     prefill_cache_slots: int = 4
     kv_cache_dir: Path | None = None
@@ -90,6 +91,7 @@ class ServerConfig:
             ddtree=bool(getattr(args, "ddtree", False)),
             ddtree_budget=pick("ddtree_budget", "LUCEBOX_DDTREE_BUDGET", int, 22),
             prefix_cache=not getattr(args, "no_prefix_cache", False),
+            gpu_prefix_cache=not getattr(args, "no_gpu_prefix_cache", False),
             prefix_cache_slots=pick("prefix_cache_slots", "LUCEBOX_PREFIX_CACHE_SLOTS", int, 32),
             prefill_cache_slots=pick("prefill_cache_slots", "LUCEBOX_PREFILL_CACHE_SLOTS", int, 4),
             kv_cache_dir=pick("kv_cache_dir", "LUCEBOX_KV_CACHE_DIR", Path, None),
@@ -145,7 +147,7 @@ def load_into(ctx: ServerContext, cfg: ServerConfig) -> Any:
         from lucebox.cache.manager import CacheConfig
 
         engine.enable_prefix_cache(CacheConfig(
-            prefix_slots=cfg.prefix_cache_slots, exact_slots=cfg.prefill_cache_slots,
+            gpu=cfg.gpu_prefix_cache, prefix_slots=cfg.prefix_cache_slots, exact_slots=cfg.prefill_cache_slots,
             disk_dir=cfg.kv_cache_dir, disk_budget=cfg.kv_cache_budget << 20,
             disk_min_tokens=cfg.kv_cache_min_tokens), ctx.prompt.template)
     ctx.props.update(model_props(engine, card, cfg))

@@ -373,7 +373,7 @@ def free_port() -> int:
 class ServerProcess:
     """`python -m lucebox serve` on a free local port; its output goes to a temporary log file."""
 
-    def __init__(self, args: argparse.Namespace, max_num_seqs: int) -> None:
+    def __init__(self, args: argparse.Namespace, max_num_seqs: int, extra: Sequence[str] = ()) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "lucebox", "serve", "--host", "127.0.0.1", "--port", str(self.port),
@@ -384,8 +384,9 @@ class ServerProcess:
             cmd += ["--ctx-size", str(args.n_ctx)]
         if args.chat_template_file:
             cmd += ["--chat-template-file", str(args.chat_template_file)]
-        if args.kv_tokens:
+        if getattr(args, "kv_tokens", None):
             cmd += ["--kv-tokens", str(args.kv_tokens)]
+        cmd += list(extra)
         self.cmd = cmd
         self.log = tempfile.NamedTemporaryFile(prefix="lucebox-bench-serve-", suffix=".log", delete=False)
         print(f"bench serve: starting {' '.join(cmd)}", file=sys.stderr, flush=True)
