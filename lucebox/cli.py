@@ -134,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--data-dir", type=Path, default=None, help="the shared data folder")
     b.add_argument("--json", type=Path, default=Path("bench_cache.json"), help="where to write the results")
     b.set_defaults(func=_lazy("lucebox.bench.cache", "main"))
+    from lucebox.clients.cli import add_clients_parser
+
+    add_clients_parser(sub, _lazy)
     return parser
 
 

@@ -13,6 +13,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -211,6 +212,9 @@ def http_options(ctx: ServerContext, cfg: ServerConfig, router: Router) -> dict[
 
 
 def main(args: argparse.Namespace) -> int:
+    # Two busy Python threads (event loop, engine) hand the GIL over every 5 ms by default;
+    # a shorter interval keeps the engine thread's steps from waiting on SSE rendering.
+    sys.setswitchinterval(0.0005)
     cfg = ServerConfig.from_args(args)
     log.info("configuration: %s", cfg.public())
     ctx = ServerContext(model_id=cfg.model or "lucebox", n_ctx=cfg.n_ctx or 0)

@@ -113,3 +113,21 @@ def test_static_steps_equal_dynamic_steps(tiny_gguf, tmp_path, arch, ddtree):
     sampled = SamplingParams(max_tokens=30, temperature=0.9, seed=3, ignore_eos=True)
     dynamic = engine(target, draft=str(draft), ddtree=ddtree, ddtree_budget=9, spec_static=False)
     assert static.generate(PROMPTS[:2], sampled) == dynamic.generate(PROMPTS[:2], sampled)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the GPU machine)")
+@pytest.mark.parametrize("ddtree", [False, True])
+def test_cuda_graph_spec_equals_plain(smollm2_path, tmp_path, ddtree):
+    """On CUDA the speculative steps replay CUDA graphs; in fp32 they give plain decoding's tokens."""
+    draft = random_drafter(smollm2_path, tmp_path / "d", layers=1, block=8, target_layers=[2, 15, 27])
+    cfg = dict(device="cuda", dtype="float32", kv_tokens=8192)
+    plain = LLMEngine.from_path(smollm2_path, EngineConfig(**cfg), quiet=True)
+    spec = LLMEngine.from_path(smollm2_path, EngineConfig(**cfg, draft=str(draft), ddtree=ddtree, ddtree_budget=12),
+                               quiet=True)
+    assert spec.spec.static is not None
+    tok = plain.tokenizer
+    prompts = [tok.encode("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"),
+               tok.encode("def fib(n):\n    "), tok.encode("The three primary colors are")]
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    assert spec.generate(prompts, params) == plain.generate(prompts, params)
+    assert any(k[0] == "verify" for k in spec.spec.static.graphs)

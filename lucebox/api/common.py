@@ -10,13 +10,14 @@ happens here, once.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from lucebox.chat.events import Event, Finish, ReasoningDelta, ToolCallEnd
+from lucebox.chat.events import Event, Finish, ReasoningDelta, TextDelta, ToolCallEnd
 from lucebox.chat.prompt import PromptBuilder
 from lucebox.chat.reasoning import ReasoningConfig
 from lucebox.chat.stream import EventPipeline
@@ -257,6 +258,8 @@ class GenerationRun:
             for ev in pipeline.push(self.prefix):
                 yield ev
         reason = "stop"
+        # A forced call (tool_choice required / named) is the whole answer: stop once it is complete.
+        forced_call = bool(self.prefix)
         try:
             async for new in engine.stream(self.gen):
                 for token in new:
@@ -265,7 +268,12 @@ class GenerationRun:
                     for ev in pipeline.push(detok.push(token)):
                         if isinstance(ev, ToolCallEnd):
                             self.tool_calls.append(ev)
+                        if forced_call and self.tool_calls and isinstance(ev, TextDelta):
+                            continue
                         yield ev
+                if forced_call and self.tool_calls:
+                    engine.cancel(self.gen, "stop")
+                    break
                 if self.req.params.logprobs is not None and len(seq.logprobs) > n_lp:
                     self.logprobs.extend(seq.logprobs[n_lp:])
                     n_lp = len(seq.logprobs)
@@ -290,10 +298,14 @@ class GenerationRun:
         for ev in pipeline.push(tail) if tail and not pipeline.done else []:
             if isinstance(ev, ToolCallEnd):
                 self.tool_calls.append(ev)
+            if forced_call and self.tool_calls and isinstance(ev, TextDelta):
+                continue
             yield ev
         for ev in pipeline.finish(reason):
             if isinstance(ev, ToolCallEnd):
                 self.tool_calls.append(ev)
+            if forced_call and self.tool_calls and isinstance(ev, TextDelta):
+                continue
             if isinstance(ev, Finish):
                 self._finish_usage(reasoning_tokens)
             yield ev
@@ -351,9 +363,18 @@ def tool_choice_prefix(template_source: str, req: ChatRequest) -> str:
         name = choice.get("name") or (choice.get("function") or {}).get("name")
         if not name:
             raise bad_field("tool_choice", "names no function")
-        if not any((t.get("function") or t).get("name") == name for t in req.tools or []):
+        tool = next((t.get("function") or t for t in req.tools or [] if (t.get("function") or t).get("name") == name),
+                    None)
+        if tool is None:
             raise bad_field("tool_choice", f"names {name!r}, which is not among the declared tools")
-        return f"<tool_call>\n<function={name}>\n" if xml else f'<tool_call>\n{{"name": "{name}", "arguments": '
+        # Also open the arguments with the first required parameter, so only a call of that shape can follow.
+        schema = tool.get("parameters") or {}
+        first = next(iter(schema.get("required") or list(schema.get("properties") or {})), None)
+        is_string = ((schema.get("properties") or {}).get(first) or {}).get("type") == "string"
+        if xml:
+            return f"<tool_call>\n<function={name}>\n" + (f"<parameter={first}>\n" if first else "")
+        args = "{" + (json.dumps(first) + ": " + ('"' if is_string else "") if first else "")
+        return f'<tool_call>\n{{"name": {json.dumps(name)}, "arguments": {args}'
     if choice == "required":
         return "<tool_call>\n"
     raise bad_field("tool_choice", "must be auto, none, required or a named function")
@@ -390,9 +411,10 @@ def thinking_budget(ctx: ServerContext, req: ChatRequest) -> int | None:
         return req.thinking_budget
     if req.reasoning_effort and ctx.card:
         try:
-            return ctx.card.effort_budget(req.reasoning_effort, ctx.n_ctx)
+            budget = ctx.card.effort_budget(req.reasoning_effort, ctx.n_ctx)
         except LuceboxError as exc:
             raise bad_field("reasoning_effort", str(exc)) from None
+        return budget or None  # a card without thinking room (tier 0) sets no budget rather than a zero one
     return None
 
 

@@ -61,6 +61,7 @@ def register(router: Router, ctx: ServerContext) -> None:
     router.add("POST", "/tokenize", bind(tokenize))
     router.add("POST", "/detokenize", bind(detokenize))
     router.add("GET", "/props", functools.partial(props, ctx, router))
+    router.add("GET", "/v1/props", functools.partial(props, ctx, router))  # Hermes asks here first
     router.add("GET", "/metrics", bind(metrics))
     router.add("GET", "/status", bind(status_page))
     router.add("GET", "/status/json", bind(status_json))

@@ -1,15 +1,21 @@
 """The engine as the asyncio server sees it: submit, stream tokens, cancel.
 
-One engine worker thread owns the LLMEngine (model, KV cache, scheduler);
-nothing else touches them. The asyncio side never mutates engine state: it
-queues commands (add, abort, force tokens) that the worker applies at the
-start of its next step, so every decision about a sequence happens in one
-thread and data flows one way:
+One engine thread owns the LLMEngine (model, KV cache, scheduler) and runs
+its own loop: apply queued commands, run a step, hand the new tokens to the
+event loop (`call_soon_threadsafe`), repeat — it never waits for the event
+loop, so serving many sockets does not slow the model down. The asyncio side
+never mutates engine state: it queues commands (add, abort, force tokens,
+call) that the engine thread applies at the start of its next step, so every
+decision about a sequence happens in one thread and data flows one way:
 
-    submit() ─► pending commands ─► [worker: apply, engine.step()] ─► per-request queue ─► stream()
+    submit() ─► commands ─► [engine thread: apply, step] ─► call_soon_threadsafe ─► per-request queue ─► stream()
 
-Between two steps the loop also cancels requests whose client disconnected,
-so a disconnect costs at most one step of wasted work.
+Before each step the engine thread cancels requests whose client
+disconnected, so a disconnect costs at most one step of wasted work.
+
+(ARCHITECTURE.md suggests awaiting `run_in_executor` per step; a round trip
+through the event loop between steps left the GPU idle while the loop
+rendered SSE frames, so the engine thread drives itself.)
 """
 
 from __future__ import annotations
@@ -20,8 +26,7 @@ import concurrent.futures
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,12 +99,13 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine, *, max_queue: int = 256) -> None:
         self.engine = engine
         self.max_queue = max_queue
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lucebox-engine")
         self._commands: collections.deque = collections.deque()  # (op, generation, arg)
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # commands and the active set
         self._active: dict[int, Generation] = {}
-        self._wake: asyncio.Event | None = None
-        self._task: asyncio.Task | None = None
+        self._wake = threading.Event()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.num_disconnects = 0
         self.steps = 0
         # Recent steps as (monotonic end time, ((seq id, start, rows), ...)): for stats and scheduling tests.
@@ -109,25 +115,25 @@ class AsyncEngine:
     # ----- lifecycle ---------------------------------------------------------
 
     async def start(self) -> None:
-        self._wake = asyncio.Event()
-        self._task = asyncio.create_task(self._run(), name="lucebox-engine-loop")
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._thread_main, name="lucebox-engine", daemon=True)
+        self._thread.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 30)
         for gen in list(self._active.values()):
             self._deliver_end(gen, "cancelled")
-        self._executor.shutdown(wait=True, cancel_futures=True)
 
     # ----- requests ----------------------------------------------------------
 
     @property
     def num_waiting(self) -> int:
-        return len(self.engine.scheduler.waiting) + sum(1 for op, _, _ in self._commands if op == "add")
+        with self._lock:
+            queued = sum(1 for op, _, _ in self._commands if op == "add")
+        return len(self.engine.scheduler.waiting) + queued
 
     @property
     def num_running(self) -> int:
@@ -143,13 +149,16 @@ class AsyncEngine:
         seq = self.engine.new_sequence(prompt_ids, params)
         seq.cache_hint = cache_hint
         gen = Generation(seq, disconnected)
-        self._active[seq.seq_id] = gen
+        with self._lock:
+            self._active[seq.seq_id] = gen
         self._command("add", gen)
         return gen
 
-    def call_in_engine(self, fn: Any) -> concurrent.futures.Future:
+    def call_in_engine(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
         """Run `fn()` on the engine thread between two steps (state only that thread may touch)."""
-        return self._executor.submit(fn)
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._command("call", None, (fn, fut))
+        return fut
 
     def cancel(self, gen: Generation, reason: str = "cancelled") -> None:
         if gen.finish_reason is None:
@@ -167,52 +176,46 @@ class AsyncEngine:
                 return
             yield item
 
-    # ----- the loop ----------------------------------------------------------
+    # ----- the engine thread --------------------------------------------------
 
-    def _command(self, op: str, gen: Generation, arg: object = None) -> None:
+    def _command(self, op: str, gen: Generation | None, arg: object = None) -> None:
         with self._lock:
             self._commands.append((op, gen, arg))
-        if self._wake is not None:
-            self._wake.set()
+        self._wake.set()
 
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        assert self._wake is not None
-        while True:
-            self._cancel_disconnected()
+    def _thread_main(self) -> None:
+        while not self._stopping:
             if not self._commands and not self.engine.has_work():
+                self._wake.wait(0.5)
                 self._wake.clear()
-                await self._wake.wait()
                 continue
             try:
-                outputs, ended = await loop.run_in_executor(self._executor, self._step)
+                outputs, ended = self._step()
             except Exception:  # a bug in the engine: fail the running requests, keep serving
                 log.exception("engine step failed")
-                for gen in list(self._active.values()):
-                    self._command("abort", gen, "error")
-                continue
-            now = time.monotonic()
-            for out in outputs:
-                gen = self._active.get(out.seq.seq_id)
-                if gen is None:
-                    continue
-                if gen.timings.first_token is None:
-                    gen.timings.first_token = now
-                if out.new_tokens:
-                    gen.queue.put_nowait(out.new_tokens)
-                if out.finished:
-                    self._deliver_end(gen, out.seq.finish_reason or "stop")
-            for gen, reason in ended:
-                self._deliver_end(gen, reason)
+                outputs, ended = [], self._abort_all("error")
+            if (outputs or ended) and self._loop is not None and not self._loop.is_closed():
+                self._loop.call_soon_threadsafe(self._deliver, outputs, ended, time.monotonic())
 
     def _step(self) -> tuple[list[StepOutput], list[tuple[Generation, str]]]:
-        """Engine thread: apply queued commands, run one step."""
+        """Apply queued commands (and cancel disconnected clients), then run one step."""
         ended: list[tuple[Generation, str]] = []
         with self._lock:
             commands = list(self._commands)
             self._commands.clear()
+            active = list(self._active.values())
+        for gen in active:
+            if gen.disconnected is not None and gen.disconnected.is_set() and not gen.seq.is_finished:
+                self.num_disconnects += 1
+                commands.append(("abort", gen, "cancelled"))
         for op, gen, arg in commands:
-            if op == "add":
+            if op == "call":
+                fn, fut = arg
+                try:
+                    fut.set_result(fn())
+                except Exception as exc:  # noqa: BLE001 - handed to the caller
+                    fut.set_exception(exc)
+            elif op == "add":
                 if gen.finish_reason is None and not gen.seq.is_finished:
                     self.engine.scheduler.add(gen.seq)
             elif op == "abort":
@@ -223,13 +226,13 @@ class AsyncEngine:
             elif op == "force" and not gen.seq.is_finished:
                 gen.seq.forced_tokens = arg
         now = time.monotonic()
-        for seq in self.engine.scheduler.running:
+        outputs = self.engine.step() if self.engine.has_work() else []
+        for seq in self.engine.scheduler.running:  # admitted now or earlier: when it first got a step
             gen = self._active.get(seq.seq_id)
             if gen is not None and gen.timings.first_scheduled is None:
                 gen.timings.first_scheduled = now
-        outputs = self.engine.step()
-        for seq in self.engine.scheduler.running:  # admitted during this step
-            gen = self._active.get(seq.seq_id)
+        for out in outputs:  # finished in this step (no longer running)
+            gen = self._active.get(out.seq.seq_id)
             if gen is not None and gen.timings.first_scheduled is None:
                 gen.timings.first_scheduled = now
         self.steps += 1
@@ -237,17 +240,35 @@ class AsyncEngine:
             self.step_log.append((time.monotonic(), tuple(self.engine.last_step)))
         return outputs, ended
 
-    def _cancel_disconnected(self) -> None:
+    def _abort_all(self, reason: str) -> list[tuple[Generation, str]]:
+        ended = []
         for gen in list(self._active.values()):
-            if gen.disconnected is not None and gen.disconnected.is_set() and gen.finish_reason is None:
-                if not any(op == "abort" and g is gen for op, g, _ in self._commands):
-                    self.num_disconnects += 1
-                    self._command("abort", gen, "cancelled")
+            if not gen.seq.is_finished:
+                self.engine.abort(gen.seq)
+            ended.append((gen, reason))
+        return ended
+
+    # ----- the event loop -----------------------------------------------------
+
+    def _deliver(self, outputs: list[StepOutput], ended: list[tuple[Generation, str]], at: float) -> None:
+        for out in outputs:
+            gen = self._active.get(out.seq.seq_id)
+            if gen is None:
+                continue
+            if gen.timings.first_token is None:
+                gen.timings.first_token = at
+            if out.new_tokens:
+                gen.queue.put_nowait(out.new_tokens)
+            if out.finished:
+                self._deliver_end(gen, out.seq.finish_reason or "stop")
+        for gen, reason in ended:
+            self._deliver_end(gen, reason)
 
     def _deliver_end(self, gen: Generation, reason: str) -> None:
         if gen.finish_reason is not None:
             return
         gen.finish_reason = reason
         gen.timings.finished = time.monotonic()
-        self._active.pop(gen.seq.seq_id, None)
+        with self._lock:
+            self._active.pop(gen.seq.seq_id, None)
         gen.queue.put_nowait(None)

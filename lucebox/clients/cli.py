@@ -1,0 +1,36 @@
+"""The `clients` command line: `python -m lucebox clients install|run|probe` (also `python -m lucebox.clients`)."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any
+
+from lucebox.clients import CLIENT_NAMES, DEFAULT_URL
+
+
+def add_clients_parser(sub: Any, lazy: Callable[[str, str], Callable[[argparse.Namespace], int]]) -> None:
+    """Add `clients install|run|probe` to a subparsers object; `lazy(module, attr)` defers imports."""
+    p = sub.add_parser("clients", help="install, run and probe real agent clients against a running server")
+    csub = p.add_subparsers(dest="clients_command", required=True)
+
+    i = csub.add_parser("install", help="install agent clients into ./.clients (npm prefix + one venv each)")
+    i.add_argument("--clients", default="all", help=f"comma-separated: {','.join(CLIENT_NAMES)} (default: all)")
+    i.add_argument("--dir", default=None, help="install folder (default $LUCEBOX_CLIENTS_DIR or ./.clients)")
+    i.add_argument("--force", action="store_true", help="reinstall even when the pinned version is present")
+    i.set_defaults(func=lazy("lucebox.clients.install", "main"))
+
+    r = csub.add_parser("run", help="start a client configured against a running server; args after -- go to it")
+    r.add_argument("name", choices=CLIENT_NAMES)
+    r.add_argument("--url", default=DEFAULT_URL, help=f"server URL (default {DEFAULT_URL})")
+    r.add_argument("--api-key", default=None, help="server key (default $LUCEBOX_API_KEY, else a dummy)")
+    r.add_argument("--home", default=None, help="client config/state folder (default ./.clients/home/NAME)")
+    r.add_argument("--full", action="store_true", help="keep the client's full prompts/tools even on a small context")
+    r.add_argument("args", nargs="*", help="arguments for the client; put them after -- (e.g. -- exec --json hi)")
+    r.set_defaults(func=lazy("lucebox.clients.run", "main"))
+
+    q = csub.add_parser("probe", help="check the protocol features each client relies on; non-zero exit on failure")
+    q.add_argument("--url", default=DEFAULT_URL, help=f"server URL (default {DEFAULT_URL})")
+    q.add_argument("--api-key", default=None, help="server key (default $LUCEBOX_API_KEY)")
+    q.add_argument("--only", default=None, help="comma-separated check names")
+    q.set_defaults(func=lazy("lucebox.clients.probe", "main"))
