@@ -38,6 +38,7 @@ class LiveServer:
 
 def start_server(model: Path | str, **overrides: Any) -> LiveServer:
     """Start a server on 127.0.0.1:<free port>; returns once the model is loaded."""
+    overrides.setdefault("kv_tokens", 12288)  # ~0.5 GiB of fp32 KV: several test servers share the machine
     cfg = ServerConfig(model=str(model), port=0, device="cpu", dtype="float32", **overrides)
     ctx = ServerContext(model_id=str(model), n_ctx=cfg.n_ctx or 0)
     ready = threading.Event()

@@ -162,7 +162,7 @@ class LLMEngine:
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = int(free * 0.5)
         else:
-            budget = 2 << 30
+            budget = 1 << 30  # host RAM: leave room for everything else
         return max(self.config.block_size * 2, min(4 * self.n_ctx, budget // per_token))
 
     # ----- requests ----------------------------------------------------------
