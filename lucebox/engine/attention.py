@@ -62,13 +62,16 @@ def paged_attention(
     *,
     scale: float,
     sliding: bool,
+    write_kv: bool = True,
 ) -> torch.Tensor:
     """q [T, Hq, D], k/v [T, Hkv, D] for the new rows; caches [slots, Hkv, D].
 
-    Writes the new K/V into the cache, returns the attention output [T, Hq, D].
+    Writes the new K/V into the cache (unless a fused kernel already did:
+    `write_kv=False`), returns the attention output [T, Hq, D].
     """
-    k_cache.index_copy_(0, meta.slot_mapping, k)
-    v_cache.index_copy_(0, meta.slot_mapping, v)
+    if write_kv:
+        k_cache.index_copy_(0, meta.slot_mapping, k)
+        v_cache.index_copy_(0, meta.slot_mapping, v)
     if meta.decode is not None:
         from lucebox.engine.triton_attention import decode_attention
 

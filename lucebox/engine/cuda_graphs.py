@@ -33,6 +33,17 @@ log = logging.getLogger(__name__)
 MIN_CTX = 256
 
 
+def pick_buckets(batches: list[int], max_ctx: int, n: int, ctx: int) -> tuple[int, int] | None:
+    """The smallest (batch, context) bucket holding `n` sequences of up to `ctx` positions."""
+    batch = next((b for b in batches if b >= n), None)
+    if batch is None or ctx > max_ctx:
+        return None
+    c = MIN_CTX
+    while c < ctx:
+        c *= 2
+    return batch, min(c, max_ctx)
+
+
 def batch_buckets(max_batch: int) -> list[int]:
     small = [b for b in (1, 2, 4) if b <= max_batch]
     return small + list(range(8, max_batch + 8, 8)) if max_batch > 4 else small
@@ -75,13 +86,7 @@ class CudaGraphDecoder:
         return t[:batch], t[b: b + batch], t[2 * b: 2 * b + batch], tables
 
     def buckets_for(self, n: int, ctx: int) -> tuple[int, int] | None:
-        batch = next((b for b in self.batches if b >= n), None)
-        if batch is None or ctx > self.max_ctx:
-            return None
-        c = MIN_CTX
-        while c < ctx:
-            c *= 2
-        return batch, min(c, self.max_ctx)
+        return pick_buckets(self.batches, self.max_ctx, n, ctx)
 
     def run(self, chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(logits [n, vocab], argmax tokens [n]) for a decode-only step, or None if no bucket fits."""

@@ -16,7 +16,7 @@ import torch
 
 from lucebox.engine.attention import AttentionMetadata, AttnGroup
 from lucebox.engine.cuda_graphs import CudaGraphDecoder
-from lucebox.engine.kv_cache import KVCache
+from lucebox.engine.kv_cache import KVCache, gather_index
 from lucebox.engine.models import DecoderModel
 from lucebox.engine.sequence import Chunk
 
@@ -170,14 +170,7 @@ class ModelRunner:
 
     def gather_index(self, tables: list[list[int]], ctx: int) -> torch.Tensor:
         """[G, ctx] slot of each key position (block 0, scratch, past a table's end), on the CPU."""
-        bs = self.kv.block_size
-        n_blocks = -(-ctx // bs)
-        bt = torch.zeros(len(tables), n_blocks, dtype=torch.long)
-        for i, t in enumerate(tables):
-            t = t[:n_blocks]
-            bt[i, : len(t)] = torch.tensor(t, dtype=torch.long)
-        pos = torch.arange(ctx)
-        return bt[:, pos // bs] * bs + pos % bs
+        return gather_index(tables, ctx, self.kv.block_size)
 
     def causal_masks(
         self, q_pos: torch.Tensor, ctx: torch.Tensor, max_ctx: int

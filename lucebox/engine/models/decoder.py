@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lucebox.engine import triton_ops as ops
-from lucebox.engine.attention import AttentionMetadata, _attend_group, paged_attention
+from lucebox.engine.attention import AttentionMetadata, paged_attention
 from lucebox.engine.config import ModelConfig
 from lucebox.engine.models.layers import RMSNorm, Rotary, apply_rotary, rope_inv_freq
 
@@ -133,7 +133,7 @@ class DecoderBlock(nn.Module):
             k_norm_w=self.attn_k_norm.weight if qk_norm else None,
             eps=self.attn_q_norm.eps if qk_norm else 0.0,
         )
-        a = _attend_cached(q, k, v, k_cache, v_cache, meta, self.scale, self.sliding)
+        a = paged_attention(q, k, v, k_cache, v_cache, meta, scale=self.scale, sliding=self.sliding, write_kv=False)
         a = self.attn_output(a.reshape(h.shape[0], -1))
         # Gemma 3's post-attention norm happens in the same kernel, before the add.
         post = self.post_attention_norm.weight if hasattr(self, "post_attention_norm") else None
@@ -142,27 +142,6 @@ class DecoderBlock(nn.Module):
         if hasattr(self, "post_ffw_norm"):
             m = ops.rms_norm(m, self.post_ffw_norm.weight, self.post_ffw_norm.eps)
         return m, residual
-
-
-def _attend_cached(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-    sliding: bool,
-) -> torch.Tensor:
-    """`paged_attention` for new rows whose K/V `rope_qk_and_cache` already wrote into the cache."""
-    if meta.decode is not None:
-        from lucebox.engine.triton_attention import decode_attention
-
-        d = meta.decode
-        return decode_attention(q, k_cache, v_cache, d.block_tables, d.positions, page=d.page, scale=scale,
-                                max_ctx=d.max_ctx, window=meta.window if sliding else None)
-    outs = [_attend_group(q, k, v, k_cache, v_cache, g, scale, sliding) for g in meta.groups]
-    return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 class DecoderModel(nn.Module):

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from lucebox.engine.config import ModelConfig
-from lucebox.engine.kv_cache import KVCache
+from lucebox.engine.kv_cache import KVCache, gather_index
 from lucebox.engine.models import DecoderModel
 from lucebox.engine.sequence import Chunk, Sequence
 from lucebox.engine.spec.drafter import DFlashDrafter
@@ -132,15 +132,7 @@ class SpecDecoder:
         return F.linear(h, weight)
 
     def _gather(self, tables: list[list[int]], ctx: int) -> torch.Tensor:
-        bs = self.kv.block_size
-        n_blocks = -(-ctx // bs)
-        bt = torch.zeros(len(tables), n_blocks, dtype=torch.long)
-        for i, t in enumerate(tables):
-            t = t[:n_blocks]
-            if t:
-                bt[i, : len(t)] = torch.tensor(t)
-        pos = torch.arange(ctx)
-        return (bt[:, pos // bs] * bs + pos % bs).to(self.device)
+        return gather_index(tables, ctx, self.kv.block_size).to(self.device)
 
     def propose(self, chunks: list[Chunk]) -> list[Chunk]:
         """Verification chunks (last token + draft) for the decoding sequences."""

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from lucebox.engine.attention import AttentionMetadata, AttnGroup
-from lucebox.engine.cuda_graphs import MIN_CTX, batch_buckets
+from lucebox.engine.cuda_graphs import MIN_CTX, batch_buckets, pick_buckets
 from lucebox.engine.model_runner import ancestor_matrix
 from lucebox.engine.sequence import Chunk
 from lucebox.engine.spec.dflash import SpecDecoder, build_tree, walk
@@ -84,13 +84,7 @@ class StaticSpec:
         self.e_rows, self.e_pos, self.e_dslots, self.e_src, self.e_dst = z(b, n), z(b, n), z(b, n), z(b, n), z(b, n)
 
     def buckets_for(self, n: int, ctx: int) -> tuple[int, int] | None:
-        batch = next((b for b in self.batches if b >= n), None)
-        if batch is None or ctx > self.max_ctx:
-            return None
-        c = MIN_CTX
-        while c < ctx:
-            c *= 2
-        return batch, min(c, self.max_ctx)
+        return pick_buckets(self.batches, self.max_ctx, n, ctx)
 
     # ----- the three graph bodies ---------------------------------------------
 
