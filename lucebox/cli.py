@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--show-ids", action="store_true", help="print the generated token ids on stderr at the end")
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("bench", help="benchmarks (decode, serve, spec, cache)")
+    p = sub.add_parser("bench", help="benchmarks (decode, serve, spec, cache, pflash)")
     bench = p.add_subparsers(dest="bench", required=True)
     b = bench.add_parser("decode", help="prefill and decode tok/s, this engine vs transformers")
     add_engine_args(b)
@@ -134,10 +134,99 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--data-dir", type=Path, default=None, help="the shared data folder")
     b.add_argument("--json", type=Path, default=Path("bench_cache.json"), help="where to write the results")
     b.set_defaults(func=_lazy("lucebox.bench.cache", "main"))
+    b = bench.add_parser("pflash", help="PFlash prompt compression: needle retention, or TTFT at long lengths")
+    add_engine_args(b)
+    add_pflash_bench_args(b)
+    b.set_defaults(func=_lazy("lucebox.bench.pflash", "main"))
+
+    p = sub.add_parser("train-drafter", help="train a DFlash drafter for a target by self-distillation")
+    add_train_args(p)
+    p.set_defaults(func=_lazy("lucebox.engine.spec.train", "main"))
     from lucebox.clients.cli import add_clients_parser
 
     add_clients_parser(sub, _lazy)
     return parser
+
+
+def add_pflash_bench_args(b: argparse.ArgumentParser) -> None:
+    """The `bench pflash` flags (besides the engine flags)."""
+    b.add_argument("--scorer", default=None, help="scorer model file or folder (default: the model itself)")
+    b.add_argument("--keep-ratio", type=float, default=None,
+                   help="fraction of chunks kept (default 0.1 for retention, 0.05 for --speed)")
+    b.add_argument("--lengths", default="1024,2048,4096,7680", help="retention: prompt lengths in tokens")
+    b.add_argument("--depths", default="0,25,50,75,100", help="retention: needle depths in percent")
+    b.add_argument("--trials", type=int, default=1, help="retention: pass keys per length and depth")
+    b.add_argument("--max-new", type=int, default=16, help="retention: answer tokens")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--data-dir", type=Path, default=None, help="the shared data folder (filler text)")
+    b.add_argument("--speed", action="store_true", help="TTFT at long lengths with random-weight models")
+    b.add_argument("--speed-lens", default="16384,32768,65536,131072", help="--speed: prompt lengths")
+    b.add_argument("--target-shape", default="qwen3-8b", help="--speed: qwen3-8b | qwen3-0.6b | tiny | tiny-scorer")
+    b.add_argument("--scorer-shape", default="qwen3-0.6b", help="--speed: qwen3-8b | qwen3-0.6b | tiny | tiny-scorer")
+    b.add_argument("--max-step-tokens", type=int, default=8192, help="the engine's prefill chunk")
+    b.add_argument("--json", type=Path, default=Path("bench_pflash.json"), help="where to write the results")
+
+
+def add_train_args(p: argparse.ArgumentParser) -> None:
+    """The `train-drafter` flags."""
+    """`python -m lucebox train-drafter` flags."""
+    p.add_argument("--target", "-m", default=None, help="target model: GGUF file, HF folder or known name "
+                   "(default smollm2)")
+    p.add_argument("--out", type=Path, required=True, help="output folder: the drafter (public layout), "
+                   "train_state.pt, examples.npz, train_log.jsonl, summary.json")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--dtype", default="auto", help="target dtype: auto (fp32 on CPU, bf16 on CUDA) | float32 | "
+                   "bfloat16 | float16")
+    g = p.add_argument_group("data")
+    g.add_argument("--data-dir", type=Path, default=None, help="shared data folder (default ../shared/data)")
+    g.add_argument("--prompts", type=Path, action="append", default=[],
+                   help="extra training prompts, JSONL with `messages` or `prompt` per line (repeatable)")
+    g.add_argument("--sources", default="swe_bench,agent,smoke,math,code,chat,file",
+                   help="training prompt sources (comma-separated; see lucebox/engine/spec/data.py)")
+    g.add_argument("--max-prompts", type=int, default=None, help="use a seeded random subset of this many prompts")
+    g.add_argument("--max-prompt-tokens", type=int, default=2048, help="drop longer prompts")
+    g.add_argument("--max-new-tokens", type=int, default=256, help="response length the target generates")
+    g.add_argument("--temperature", type=float, default=0.0, help="response sampling (0 = greedy)")
+    g.add_argument("--gen-batch", type=int, default=64, help="sequences generated together")
+    g = p.add_argument_group("drafter")
+    g.add_argument("--layers", type=int, default=2, help="drafter layers")
+    g.add_argument("--block-size", type=int, default=16, help="block size B (drafts B-1 tokens)")
+    g.add_argument("--target-layers", default=None, help="target layer ids to condition on, e.g. 1,8,14,21,27 "
+                   "(default: --n-target-layers spread over the depth)")
+    g.add_argument("--n-target-layers", type=int, default=5, help="how many target layers by default")
+    g.add_argument("--heads", type=int, default=None, help="attention heads (default: the target's)")
+    g.add_argument("--kv-heads", type=int, default=None, help="KV heads (default: the target's)")
+    g.add_argument("--head-dim", type=int, default=None, help="head dim (default: the target's)")
+    g.add_argument("--intermediate", type=int, default=None, help="FFN size (default: the target's)")
+    g.add_argument("--mask-token-id", type=int, default=None, help="MASK token (default: an unused special token)")
+    g.add_argument("--init", type=Path, default=None, help="start from this drafter folder instead of random")
+    g.add_argument("--save-dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    g = p.add_argument_group("training")
+    g.add_argument("--steps", type=int, default=None, help="optimizer steps (default: --epochs over the data)")
+    g.add_argument("--epochs", type=float, default=6.0)
+    g.add_argument("--batch", type=int, default=8, help="sequences per step")
+    g.add_argument("--anchors", type=int, default=512, help="blocks per sequence, at most")
+    g.add_argument("--lr", type=float, default=6e-4)
+    g.add_argument("--warmup", type=float, default=0.04, help="warm-up fraction of the steps")
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--grad-clip", type=float, default=1.0)
+    g.add_argument("--gamma", type=float, default=None, help="loss decay over block rows (default 7 for B=16)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--feature-cache", choices=["auto", "on", "off"], default="auto",
+                   help="keep the target's features of every example after the first epoch (auto: if they fit in "
+                        "4 GiB of RAM on CPU, 30%% of free GPU memory on CUDA)")
+    g.add_argument("--resume", action="store_true", help="continue from OUT/train_state.pt")
+    g.add_argument("--time-limit", type=float, default=None, help="checkpoint and stop after this many seconds "
+                   "of training (continue with --resume)")
+    g.add_argument("--stop-after", type=int, default=None, help="checkpoint and stop after this many steps")
+    g = p.add_argument_group("progress and evaluation")
+    g.add_argument("--log-every", type=int, default=10)
+    g.add_argument("--save-every", type=int, default=500)
+    g.add_argument("--eval-every", type=int, default=0, help="measure tau every N steps (default: at checkpoints)")
+    g.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts for tau (0: no evaluation)")
+    g.add_argument("--eval-tokens", type=int, default=128, help="new tokens per held-out prompt")
+    g.add_argument("--eval-ddtree-budget", type=int, default=22, help="also measure DDTree tau at the end (0: no)")
+    g.add_argument("--quiet", action="store_true")
 
 
 def _lazy(module: str, attr: str) -> Callable[[argparse.Namespace], int]:

@@ -173,13 +173,15 @@ def tiny_queue(smollm2_path):
 ])
 def test_full_queue_answers_with_the_dialects_overload_error(tiny_queue, path, body, status, shape):
     url = tiny_queue.url
+    eng = tiny_queue.ctx.engine
     busy = [threading.Thread(target=chat, args=(url, "Count from one to one hundred.", 64)) for _ in range(2)]
-    for t in busy:
+    # One at a time, so the second cannot reach the queue before the first is admitted.
+    for t, (attr, n) in zip(busy, [("num_running", 1), ("num_waiting", 1)]):
         t.start()
-    deadline = time.monotonic() + 60
-    while tiny_queue.ctx.engine.num_waiting < 1:  # one running, one waiting: the queue is full
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+        deadline = time.monotonic() + 120
+        while getattr(eng, attr) < n:  # then: one running, one waiting: the queue is full
+            assert time.monotonic() < deadline, f"engine never had {attr} >= {n}"
+            time.sleep(0.005)
     got, headers, reply = post(url, path, {"model": "x", "max_tokens": 4, **body})
     for t in busy:
         t.join()

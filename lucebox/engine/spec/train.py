@@ -864,67 +864,6 @@ def evaluate_fresh(loaded: LoadedModel, drafter: DFlashDrafter, opts: RunOptions
 # ----- command line ----------------------------------------------------------------------------------
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """`python -m lucebox train-drafter` flags."""
-    p.add_argument("--target", "-m", default=None, help="target model: GGUF file, HF folder or known name "
-                   "(default smollm2)")
-    p.add_argument("--out", type=Path, required=True, help="output folder: the drafter (public layout), "
-                   "train_state.pt, examples.npz, train_log.jsonl, summary.json")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    p.add_argument("--dtype", default="auto", help="target dtype: auto (fp32 on CPU, bf16 on CUDA) | float32 | "
-                   "bfloat16 | float16")
-    g = p.add_argument_group("data")
-    g.add_argument("--data-dir", type=Path, default=None, help="shared data folder (default ../shared/data)")
-    g.add_argument("--prompts", type=Path, action="append", default=[],
-                   help="extra training prompts, JSONL with `messages` or `prompt` per line (repeatable)")
-    g.add_argument("--sources", default="swe_bench,agent,smoke,math,code,chat,file",
-                   help="training prompt sources (comma-separated; see lucebox/engine/spec/data.py)")
-    g.add_argument("--max-prompts", type=int, default=None, help="use a seeded random subset of this many prompts")
-    g.add_argument("--max-prompt-tokens", type=int, default=2048, help="drop longer prompts")
-    g.add_argument("--max-new-tokens", type=int, default=256, help="response length the target generates")
-    g.add_argument("--temperature", type=float, default=0.0, help="response sampling (0 = greedy)")
-    g.add_argument("--gen-batch", type=int, default=64, help="sequences generated together")
-    g = p.add_argument_group("drafter")
-    g.add_argument("--layers", type=int, default=2, help="drafter layers")
-    g.add_argument("--block-size", type=int, default=16, help="block size B (drafts B-1 tokens)")
-    g.add_argument("--target-layers", default=None, help="target layer ids to condition on, e.g. 1,8,14,21,27 "
-                   "(default: --n-target-layers spread over the depth)")
-    g.add_argument("--n-target-layers", type=int, default=5, help="how many target layers by default")
-    g.add_argument("--heads", type=int, default=None, help="attention heads (default: the target's)")
-    g.add_argument("--kv-heads", type=int, default=None, help="KV heads (default: the target's)")
-    g.add_argument("--head-dim", type=int, default=None, help="head dim (default: the target's)")
-    g.add_argument("--intermediate", type=int, default=None, help="FFN size (default: the target's)")
-    g.add_argument("--mask-token-id", type=int, default=None, help="MASK token (default: an unused special token)")
-    g.add_argument("--init", type=Path, default=None, help="start from this drafter folder instead of random")
-    g.add_argument("--save-dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
-    g = p.add_argument_group("training")
-    g.add_argument("--steps", type=int, default=None, help="optimizer steps (default: --epochs over the data)")
-    g.add_argument("--epochs", type=float, default=6.0)
-    g.add_argument("--batch", type=int, default=8, help="sequences per step")
-    g.add_argument("--anchors", type=int, default=512, help="blocks per sequence, at most")
-    g.add_argument("--lr", type=float, default=6e-4)
-    g.add_argument("--warmup", type=float, default=0.04, help="warm-up fraction of the steps")
-    g.add_argument("--weight-decay", type=float, default=0.01)
-    g.add_argument("--grad-clip", type=float, default=1.0)
-    g.add_argument("--gamma", type=float, default=None, help="loss decay over block rows (default 7 for B=16)")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--feature-cache", choices=["auto", "on", "off"], default="auto",
-                   help="keep the target's features of every example after the first epoch (auto: if they fit in "
-                        "4 GiB of RAM on CPU, 30%% of free GPU memory on CUDA)")
-    g.add_argument("--resume", action="store_true", help="continue from OUT/train_state.pt")
-    g.add_argument("--time-limit", type=float, default=None, help="checkpoint and stop after this many seconds "
-                   "of training (continue with --resume)")
-    g.add_argument("--stop-after", type=int, default=None, help="checkpoint and stop after this many steps")
-    g = p.add_argument_group("progress and evaluation")
-    g.add_argument("--log-every", type=int, default=10)
-    g.add_argument("--save-every", type=int, default=500)
-    g.add_argument("--eval-every", type=int, default=0, help="measure tau every N steps (default: at checkpoints)")
-    g.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts for tau (0: no evaluation)")
-    g.add_argument("--eval-tokens", type=int, default=128, help="new tokens per held-out prompt")
-    g.add_argument("--eval-ddtree-budget", type=int, default=22, help="also measure DDTree tau at the end (0: no)")
-    g.add_argument("--quiet", action="store_true")
-
-
 def main(args: argparse.Namespace) -> int:
     """`python -m lucebox train-drafter`: prompts → target responses → drafter training → tau."""
     from lucebox.chat.prompt import PromptBuilder
