@@ -48,6 +48,17 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dir", type=Path, default=None, help="persist snapshots here (memory-mapped files)")
     p.add_argument("--kv-cache-budget", type=int, default=None, help="disk budget in MB (default 4096)")
     p.add_argument("--kv-cache-min-tokens", type=int, default=None, help="don't persist shorter prefixes (256)")
+    # PFlash speculative prefill (values checked by ServerConfig, so a bad one is one line and exit 2)
+    p.add_argument("--prefill-compression", default=None, metavar="off|auto|always",
+                   help="compress long prompts with a scorer before prefill (default auto: above the threshold)")
+    p.add_argument("--prefill-threshold", default=None, metavar="N",
+                   help="auto compresses prompts longer than N tokens (default 32000, at most half the context)")
+    p.add_argument("--prefill-keep-ratio", default=None, metavar="R",
+                   help="fraction of prompt chunks kept, in (0, 1] (default 0.05)")
+    p.add_argument("--prefill-drafter", default=None, metavar="PATH",
+                   help="PFlash scorer model: GGUF file, HF folder or known name (default: the model itself)")
+    p.add_argument("--prefill-skip-park", action="store_true",
+                   help="keep a separate scorer on the GPU when idle (default: parked in pinned host memory)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -218,6 +229,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--resume", action="store_true", help="continue from OUT/train_state.pt")
     g.add_argument("--time-limit", type=float, default=None, help="checkpoint and stop after this many seconds "
                    "of training (continue with --resume)")
+    g.add_argument("--time-budget", type=float, default=None, help="fit the step count (and the LR schedule) "
+                   "to this many seconds of training, measured as it goes (at most --steps/--epochs)")
     g.add_argument("--stop-after", type=int, default=None, help="checkpoint and stop after this many steps")
     g = p.add_argument_group("progress and evaluation")
     g.add_argument("--log-every", type=int, default=10)

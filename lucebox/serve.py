@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from lucebox.api.common import ServerContext
+from lucebox.engine.pflash.config import PFlashConfig
+from lucebox.engine.pflash.service import MODES as PFLASH_MODES
 from lucebox.errors import LuceboxError
 from lucebox.http import Router, run
 from lucebox.model_cards import CardError, ModelCard, card_dirs, find_card, load_card
@@ -54,6 +56,11 @@ class ServerConfig:
     kv_cache_dir: Path | None = None
     kv_cache_budget: int = 4096  # MB
     kv_cache_min_tokens: int = 256
+    prefill_compression: str = "auto"  # PFlash: off | auto | always
+    prefill_threshold: int | None = None  # auto compresses longer prompts; None = default_threshold(n_ctx)
+    prefill_keep_ratio: float = PFlashConfig.keep_ratio
+    prefill_drafter: str | None = None  # the scorer; None = the model itself
+    prefill_skip_park: bool = False
     grace: float = 10.0
 
     @classmethod
@@ -98,12 +105,50 @@ class ServerConfig:
             kv_cache_dir=pick("kv_cache_dir", "LUCEBOX_KV_CACHE_DIR", Path, None),
             kv_cache_budget=pick("kv_cache_budget", "LUCEBOX_KV_CACHE_BUDGET", int, 4096),
             kv_cache_min_tokens=pick("kv_cache_min_tokens", "LUCEBOX_KV_CACHE_MIN_TOKENS", int, 256),
-        )
+            prefill_compression=pick("prefill_compression", "LUCEBOX_PREFILL_COMPRESSION", str, "auto"),
+            prefill_threshold=_number("--prefill-threshold", int, pick("prefill_threshold",
+                                                                        "LUCEBOX_PREFILL_THRESHOLD", str, None)),
+            prefill_keep_ratio=_number("--prefill-keep-ratio", float, pick(
+                "prefill_keep_ratio", "LUCEBOX_PREFILL_KEEP_RATIO", str, PFlashConfig.keep_ratio)),
+            prefill_drafter=pick("prefill_drafter", "LUCEBOX_PREFILL_DRAFTER", str, None),
+            prefill_skip_park=bool(getattr(args, "prefill_skip_park", False)) or _env_flag("PREFILL_SKIP_PARK"),
+        ).validate()
+
+    def validate(self) -> ServerConfig:
+        """Raise LuceboxError naming the first bad setting (checked before anything loads)."""
+        from lucebox.fetch import KNOWN_MODELS
+
+        if self.prefill_compression not in PFLASH_MODES:
+            raise LuceboxError(f"--prefill-compression must be one of {', '.join(PFLASH_MODES)}, "
+                               f"got {self.prefill_compression!r}")
+        if self.prefill_threshold is not None and self.prefill_threshold < 0:
+            raise LuceboxError(f"--prefill-threshold must be a token count >= 0, got {self.prefill_threshold}")
+        if not 0.0 < self.prefill_keep_ratio <= 1.0:
+            raise LuceboxError(f"--prefill-keep-ratio must be in (0, 1], got {self.prefill_keep_ratio}")
+        drafter = self.prefill_drafter
+        if drafter is not None and drafter not in KNOWN_MODELS and not Path(drafter).expanduser().exists():
+            raise LuceboxError(f"--prefill-drafter {drafter!r} is neither a file or folder nor a known name "
+                               f"({', '.join(KNOWN_MODELS)})")
+        return self
 
     def public(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["api_key"] = "***" if self.api_key else None
         return {k: (str(v) if isinstance(v, Path) else v) for k, v in d.items()}
+
+
+def _number(flag: str, cast: type, raw: Any) -> Any:
+    """A flag's value as int/float (None stays None), or a one-line LuceboxError."""
+    if raw is None or isinstance(raw, cast):
+        return raw
+    try:
+        value = cast(raw)
+    except (TypeError, ValueError):
+        kind = "an integer" if cast is int else "a number"
+        raise LuceboxError(f"{flag} must be {kind}, got {raw!r}") from None
+    if cast is float and value != value:  # NaN
+        raise LuceboxError(f"{flag} must be a number, got {raw!r}")
+    return value
 
 
 def resolve_card(cfg: ServerConfig, names: list[str]) -> ModelCard | None:
@@ -151,10 +196,43 @@ def load_into(ctx: ServerContext, cfg: ServerConfig) -> Any:
             gpu=cfg.gpu_prefix_cache, prefix_slots=cfg.prefix_cache_slots, exact_slots=cfg.prefill_cache_slots,
             disk_dir=cfg.kv_cache_dir, disk_budget=cfg.kv_cache_budget << 20,
             disk_min_tokens=cfg.kv_cache_min_tokens), ctx.prompt.template)
+    ctx.pflash = enable_pflash(engine, cfg)
+    if ctx.pflash is not None:
+        ctx.props["pflash"] = ctx.pflash.props
     ctx.props.update(model_props(engine, card, cfg))
     ctx.props["speculative"] = lambda: speculative_props(engine, draft, cfg)
     ctx.props["prefix_cache"] = lambda: prefix_cache_props(engine, cfg)
     return engine
+
+
+def enable_pflash(engine: Any, cfg: ServerConfig) -> Any:
+    """The PFlash service for `--prefill-compression auto|always` (None when off); loads the scorer."""
+    from lucebox.engine.loader import load_model
+    from lucebox.engine.pflash import PFlash
+    from lucebox.engine.pflash.service import PFlashService, default_threshold
+    from lucebox.fetch import resolve_model
+
+    cfg.validate()
+    if cfg.prefill_compression == "off":
+        return None
+    target = engine.loaded
+    scorer = target
+    if cfg.prefill_drafter is not None:
+        path = resolve_model(cfg.prefill_drafter)
+        if path.resolve() != Path(target.path).resolve():
+            scorer = load_model(path, device=target.device, dtype=target.dtype, quiet=True)
+    threshold = cfg.prefill_threshold if cfg.prefill_threshold is not None else default_threshold(engine.n_ctx)
+    if cfg.prefill_compression == "auto" and threshold >= engine.n_ctx:
+        log.warning("--prefill-threshold %d is not below the context (%d): auto will never compress "
+                    "(a prompt longer than the context is rejected, not compressed)", threshold, engine.n_ctx)
+    pflash = PFlash.for_model(target, scorer, PFlashConfig(keep_ratio=cfg.prefill_keep_ratio))
+    service = PFlashService(pflash, mode=cfg.prefill_compression, threshold=threshold,
+                            keep_ratio=cfg.prefill_keep_ratio, cache=engine.cache, scorer_name=str(scorer.path),
+                            target_model=target.model, park=not cfg.prefill_skip_park)
+    log.info("PFlash: %s, threshold %d tokens, keep ratio %g, scorer %s%s", cfg.prefill_compression, threshold,
+             cfg.prefill_keep_ratio, "the model itself" if scorer is target else scorer.path,
+             ", parked when idle" if service.parking.enabled else "")
+    return service
 
 
 def prefix_cache_props(engine: Any, cfg: ServerConfig) -> dict[str, Any]:
@@ -272,6 +350,18 @@ def register_engine_metrics(ctx: ServerContext) -> None:
                 lambda: cache.stats()["disk"]["bytes"])
         m.gauge("lucebox_prefix_cache_gpu_blocks", "KV blocks kept by the GPU prefix index",
                 lambda: cache.blocks_held)
+    pflash = ctx.pflash
+    if pflash is not None:
+        s = pflash.stats
+        m.counter("lucebox_pflash_compressed_requests_total", "Requests whose prompt PFlash compressed",
+                  lambda: s.compressed_requests)
+        m.counter("lucebox_pflash_tokens_saved_total", "Prompt tokens PFlash removed before prefill",
+                  lambda: s.tokens_saved)
+        m.counter("lucebox_pflash_scorer_calls_total", "PFlash scorer passes", lambda: s.scorer_calls)
+        m.counter("lucebox_pflash_scorer_seconds_total", "Seconds spent in the PFlash scorer",
+                  lambda: s.scorer_seconds)
+        m.counter("lucebox_pflash_reused_total", "Compressions reused for a repeated prompt (no scorer pass)",
+                  lambda: s.reused)
     spec = eng.engine.spec
     if spec is not None:
         m.counter("lucebox_spec_verify_steps_total", "Speculative verification passes", lambda: spec.stats.steps)

@@ -105,7 +105,7 @@ def booting(smollm2_path, tmp_path_factory):
     bad_card = tmp_path_factory.mktemp("cards") / "bad.json"
     bad_card.write_text('{"name": "broken", "source": "https://example.com", "verified_at": "2026-01-01"}')
     cfg = ServerConfig(model=str(smollm2_path), port=0, device="cpu", dtype="float32", api_key=API_KEY,
-                       model_card=bad_card)
+                       model_card=bad_card, prefill_compression="off")
     ctx = ServerContext(model_id=str(smollm2_path), n_ctx=0)
     bound = threading.Event()
     box: dict[str, Any] = {}
@@ -410,7 +410,9 @@ def test_props(live_server):
     assert info["origin"] == "gguf" and info["sha1"] == hashlib.sha1(template.source.encode()).hexdigest()
     assert props["speculative"] == {"enabled": False, "drafter": None, "block_size": None, "ddtree": False,
                                     "ddtree_budget": None}
-    assert props["pflash"] == {"mode": "off", "threshold": None, "keep_ratio": None, "scorer": None}
+    pflash = props["pflash"]  # on by default above half the context, the model scoring its own prompt
+    assert (pflash["mode"], pflash["threshold"], pflash["keep_ratio"]) == ("auto", ctx.n_ctx // 2, 0.05)
+    assert pflash["scorer_is_target"] is True and pflash["compressed_requests"] == 0
     cache = props["prefix_cache"]  # on by default: tier 0 (GPU blocks) and the RAM tiers, no disk
     assert cache["enabled"] is True and cache["slots"] == 32 and cache["exact_slots"] == 4
     assert cache["disk"]["dir"] is None and cache["tiers"]["gpu"]["enabled"] is True

@@ -391,3 +391,11 @@ def test_prompts_file_entries_equal_to_an_eval_prompt_are_dropped(tmp_path):
     assert train[1].messages[0] == {"role": "system", "content": "Be brief."}
     with pytest.raises(LuceboxError, match="not among --sources"):
         data.training_prompts(DATA, sources=["math"], files=[f])
+
+
+def test_time_budget_fits_the_step_count_to_the_pace():
+    # 10 steps took 5 s: 15 s left at 0.5 s a step is 30 more steps.
+    assert T.fit_steps(10, 10, 5.0, 20.0, 1000) == 40
+    assert T.fit_steps(10, 10, 5.0, 20.0, 25) == 25  # never past the configured steps
+    assert T.fit_steps(10, 10, 30.0, 20.0, 1000) == 11  # over budget: stop after the next step
+    assert T.fit_steps(25, 25, 30.0, 20.0, 25) == 25

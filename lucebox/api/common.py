@@ -10,6 +10,7 @@ happens here, once.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -23,6 +24,7 @@ from lucebox.chat.reasoning import ReasoningConfig
 from lucebox.chat.stream import EventPipeline
 from lucebox.chat.template import TemplateError
 from lucebox.engine.async_engine import AsyncEngine, Generation, QueueFull
+from lucebox.engine.pflash.service import Compression
 from lucebox.engine.sampler import SamplingParams, TokenLogprobs
 from lucebox.errors import LuceboxError
 from lucebox.http import HttpError
@@ -49,6 +51,7 @@ class ServerContext:
     started_at: float = field(default_factory=time.time)
     raw_system: bool = False  # Anthropic: pass the system prompt through untouched
     raw_user: bool = False  # Anthropic: pass user content through untouched
+    pflash: Any = None  # lucebox.engine.pflash.service.PFlashService when --prefill-compression is not off
 
     def ready(self) -> tuple[AsyncEngine, PromptBuilder]:
         if self.engine is None or self.prompt is None:
@@ -200,6 +203,7 @@ class GenerationRun:
         self.logprobs: list[TokenLogprobs] = []
         self.gen: Generation | None = None
         self.tool_calls: list[ToolCallEnd] = []
+        self.compression: Compression | None = None  # set when PFlash compressed the prompt
 
     # -- building ------------------------------------------------------------------
 
@@ -209,11 +213,18 @@ class GenerationRun:
         engine, builder = ctx.ready()
         # Rendering and tokenizing a long prompt takes a while: never on the loop.
         ids, text, reasoning, prefix = await asyncio.to_thread(cls._prompt, ctx, builder, req)
+        max_tokens = resolve_max_tokens(ctx, req, len(ids))  # the raw prompt must fit: PFlash is no context extender
+        arrived = time.monotonic()
+        compression = await maybe_compress(ctx, engine, builder, req, ids, text)
+        if compression is not None:
+            ids = compression.ids
+            max_tokens = resolve_max_tokens(ctx, req, len(ids))
         cache = engine.engine.cache
-        hint = await asyncio.to_thread(cache.prepare, ids) if cache is not None else None
-        max_tokens = resolve_max_tokens(ctx, req, len(ids))
+        exact_key = compression.key if compression is not None else None
+        hint = await asyncio.to_thread(cache.prepare, ids, exact_key) if cache is not None else None
         budget = thinking_budget(ctx, req) if reasoning is not None and reasoning.enabled else None
         run = cls(ctx, req, ids, text, max_tokens, reasoning, prefix, budget, disconnected)
+        run.compression = compression
         params = SamplingParams(**{**req.params.__dict__, "max_tokens": max_tokens})
         try:
             run.gen = engine.submit(ids, params, disconnected, cache_hint=hint)
@@ -221,6 +232,8 @@ class GenerationRun:
             raise HttpError(503, str(exc), "overloaded_error", headers={"Retry-After": "1"}) from None
         except LuceboxError as exc:
             raise HttpError(400, str(exc), "invalid_request_error") from None
+        if compression is not None:
+            run.gen.timings.arrival = arrived  # TTFT counts the scorer (queue_ms holds it: see compress_ms)
         return run
 
     @staticmethod
@@ -317,6 +330,8 @@ class GenerationRun:
         self.usage.cached_tokens = gen.cached_tokens
         self.usage.reasoning_tokens = reasoning_tokens
         self.usage.timings = gen.timings.as_dict(gen.prompt_tokens, gen.output_tokens, gen.seq)
+        if self.compression is not None:
+            self.usage.timings["prefill_compression"] = self.compression.as_dict()
         self.ctx.metrics.observe_generation(self.usage, gen.finish_reason or "stop")
 
     async def collect(self) -> tuple[list[Event], Finish]:
@@ -327,6 +342,53 @@ class GenerationRun:
         finish = events[-1]
         assert isinstance(finish, Finish)
         return merge_events(events[:-1]), finish
+
+
+async def maybe_compress(ctx: ServerContext, engine: AsyncEngine, builder: PromptBuilder, req: ChatRequest,
+                         ids: list[int], text: str | None) -> Compression | None:
+    """PFlash (spec PFLASH.md, server policy): the compressed prompt, or None when this request is not compressed.
+
+    Never with tools; `auto` only above the threshold. A repeat of a prompt compressed before reuses that
+    compression (no scorer). The scorer runs off the event loop: on CPU in a worker thread, so running
+    streams keep decoding meanwhile; on CUDA on the engine thread between two steps, where it cannot race a
+    lazily captured decode graph.
+    """
+    pf = ctx.pflash
+    if pf is None or not pf.wants(len(ids), has_tools=bool(req.tools)):
+        return None
+    keep_bos = False
+    if text is None:
+        if not isinstance(req.prompt, str) or not req.prompt:
+            return None  # legacy token-id prompts have no text to score
+        text = req.prompt
+        tok = builder.tokenizer
+        keep_bos = tok.add_bos and bool(ids) and ids[0] == tok.bos_id
+    done = await asyncio.to_thread(pf.reuse, ids)
+    if done is not None:
+        return done
+    query = last_user_text(req.messages)
+    job = functools.partial(pf.compress, ids, text, query, keep_bos)
+    try:
+        if pf.device.type == "cuda":
+            return await asyncio.wrap_future(engine.call_in_engine(job))
+        return await asyncio.to_thread(job)
+    except LuceboxError as exc:
+        raise HttpError(400, str(exc), "invalid_request_error") from None
+
+
+def last_user_text(messages: list[dict]) -> str | None:
+    """The text of the last user message (PFlash appends it again when too little of it survived)."""
+    for m in reversed(messages):
+        if m.get("role") != "user":
+            continue
+        content = m.get("content")
+        if isinstance(content, str):
+            return content
+        if isinstance(content, list):
+            parts = [p.get("text", "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)]
+            return "".join(parts) or None
+        return None
+    return None
 
 
 def render_chat(ctx: ServerContext, builder: PromptBuilder, req: ChatRequest) -> tuple[str, ReasoningConfig | None,

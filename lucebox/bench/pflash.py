@@ -375,6 +375,11 @@ def speed(args: argparse.Namespace) -> int:
     warm = _text_of_length(tok, docs, min(2048, min(lens)))
     run_prompt(engine, tok.encode(warm, add_special=False), 1)
     pflash.compress(warm)
+    head = {"benchmark": "pflash-speed", "random_weights": True, "target_shape": args.target_shape,
+            "scorer_shape": args.scorer_shape, "shapes": {k: SHAPES[k].__dict__ for k in
+                                                          (args.target_shape, args.scorer_shape)},
+            "keep_ratio": cfg.keep_ratio, "config": _jsonable(cfg), "text": source, "setup_s": setup_s,
+            "env": environment(device)}
     rows, results = [], []
     progress = Progress("bench pflash speed", total=len(lens), unit="lengths")
     for n in lens:
@@ -396,6 +401,7 @@ def speed(args: argparse.Namespace) -> int:
         results.append(r)
         rows.append([len(ids), full_ttft, pf_ttft, res.scorer_seconds, select_s, target_ttft, r["speedup"],
                      res.compressed_tokens, res.ratio])
+        write_json(args.json, {**head, "results": results}, quiet=True)  # a cut-short run keeps its lengths
         progress.advance()
     progress.close()
     title = (f"bench pflash speed on {device} ({str(dtype)[6:]}): target {args.target_shape}-shaped, scorer "
@@ -403,11 +409,7 @@ def speed(args: argparse.Namespace) -> int:
              f"scorer attention {'block-sparse (flex)' if _flex(cfg, device) else 'dense'}")
     print_table(title, ["tokens", "full TTFT s", "pflash TTFT s", "scorer s", "select s", "target s", "speedup",
                         "kept tokens", "ratio"], rows)
-    write_json(args.json, {"benchmark": "pflash-speed", "random_weights": True, "target_shape": args.target_shape,
-                           "scorer_shape": args.scorer_shape, "shapes": {k: SHAPES[k].__dict__ for k in
-                                                                         (args.target_shape, args.scorer_shape)},
-                           "keep_ratio": cfg.keep_ratio, "config": _jsonable(cfg), "text": source,
-                           "setup_s": setup_s, "env": environment(device), "results": results})
+    write_json(args.json, {**head, "results": results})
     return 0
 
 

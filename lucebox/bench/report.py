@@ -36,14 +36,15 @@ def print_table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
     sys.stdout.flush()
 
 
-def write_json(path: Path, payload: dict[str, Any]) -> None:
+def write_json(path: Path, payload: dict[str, Any], quiet: bool = False) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2) + "\n")
-    print(f"\nwrote {path}")
+    if not quiet:
+        print(f"\nwrote {path}")
 
 
 def _fmt(v: Any) -> str:
     if isinstance(v, float):
-        return f"{v:.2f}x" if False else (f"{v:,.1f}" if abs(v) >= 10 else f"{v:.2f}")
+        return f"{v:,.1f}" if abs(v) >= 10 else f"{v:.2f}"
     return "-" if v is None else str(v)

@@ -74,10 +74,14 @@ class PrefixCache:
 
     # ----- request thread -----------------------------------------------------
 
-    def prepare(self, prompt_ids: list[int]) -> CacheHint:
-        """Keys for the prompt; disk entries it could use are loaded into the RAM pools now."""
-        hint = CacheHint(exact_key=token_key(prompt_ids))
-        if self.markers is not None:
+    def prepare(self, prompt_ids: list[int], exact_key: str | None = None) -> CacheHint:
+        """Keys for the prompt; disk entries it could use are loaded into the RAM pools now.
+
+        `exact_key` (a PFlash prompt: the raw prompt's key, `prompt_ids` its compression) files the prompt
+        under that key in the exact tier only; its turn boundaries mean nothing and are not used.
+        """
+        hint = CacheHint(exact_key=exact_key or token_key(prompt_ids))
+        if self.markers is not None and exact_key is None:
             hint.bounds = self.markers.boundaries(prompt_ids)
             ends = [b for b in hint.bounds if b < len(prompt_ids)]
             hint.keys = dict(zip(ends, prefix_keys(prompt_ids, ends)))
@@ -107,6 +111,25 @@ class PrefixCache:
                     with self._lock:
                         self.prefix.put(key, snap.tokens, snap.kv.clone())
                     return
+
+    def exact_tokens(self, key: str) -> list[int] | None:
+        """The tokens stored under `key` in the exact tier (RAM, else disk, promoted to RAM), or None.
+
+        PFlash looks up a raw prompt's key here to find the compressed prompt a past request stored.
+        """
+        if self.exact is None:
+            return None
+        with self._lock:
+            if key in self.exact:
+                return self.exact.get(key).tokens.tolist()
+        if self.disk is None or not self.disk.contains(2, key):
+            return None
+        snap = self.disk.get(2, key)
+        if snap is None:
+            return None
+        with self._lock:
+            self.exact.put(key, snap.tokens, snap.kv.clone())
+        return snap.tokens.tolist()
 
     # ----- engine thread ------------------------------------------------------
 

@@ -583,6 +583,7 @@ class RunOptions:
     eval_tokens: int = 128
     eval_ddtree_budget: int = 22  # 0: no DDTree measurement at the end
     time_limit: float | None = None  # seconds; then checkpoint and stop
+    time_budget: float | None = None  # seconds; the step count (and LR schedule) shrinks to fit
     stop_after: int | None = None  # steps in this run; then checkpoint and stop
     quiet: bool = False
 
@@ -787,7 +788,7 @@ def _fmt_row(r: dict[str, Any], eta: float | None) -> str:
 def run_training(trainer: Trainer, opts: RunOptions) -> dict[str, Any]:
     """Train to the configured step count (or the run's limits), with progress, checkpoints and evaluations."""
     out = opts.out
-    total = trainer.cfg.steps
+    total = cap = trainer.cfg.steps
     start_step = trainer.step
     t0 = time.monotonic()
     window = BlockStats()
@@ -816,6 +817,9 @@ def run_training(trainer: Trainer, opts: RunOptions) -> dict[str, Any]:
                 if not opts.quiet:
                     _say(_fmt_row(row, eta))
                 window, window_tokens, window_t = BlockStats(), 0, now
+            if opts.time_budget is not None and step - start_step >= 3:
+                total = fit_steps(step, step - start_step, time.monotonic() - t0, opts.time_budget, cap)
+                trainer.cfg.steps = total
             limit = opts.time_limit is not None and time.monotonic() - t0 >= opts.time_limit
             limit |= opts.stop_after is not None and step - start_step >= opts.stop_after
             if step % opts.save_every == 0 or step == total or limit:
@@ -834,6 +838,14 @@ def run_training(trainer: Trainer, opts: RunOptions) -> dict[str, Any]:
     trainer.save(out)
     return {"step": trainer.step, "total": total, "finished": stopped is None,
             "seconds": time.monotonic() - t0, "last": trainer.history[-1] if trainer.history else None}
+
+
+def fit_steps(step: int, done: int, elapsed: float, budget: float, total: int) -> int:
+    """The step count that ends near `budget` seconds at the pace so far (never more than `total`).
+
+    The pace includes the first epoch's target forwards, so it errs on the short side."""
+    left = max(0.0, budget - elapsed)
+    return max(step + 1 if step < total else step, min(total, step + int(left / (elapsed / done))))
 
 
 def _evaluate(trainer: Trainer, opts: RunOptions, step: int, mode: str) -> dict[str, Any]:
@@ -912,7 +924,8 @@ def main(args: argparse.Namespace) -> int:
 
     opts = RunOptions(out=out, log_every=args.log_every, save_every=args.save_every, eval_every=args.eval_every,
                       eval_prompts=eval_ids, eval_tokens=args.eval_tokens, eval_ddtree_budget=args.eval_ddtree_budget,
-                      time_limit=args.time_limit, stop_after=args.stop_after, quiet=args.quiet)
+                      time_limit=args.time_limit, time_budget=args.time_budget, stop_after=args.stop_after,
+                      quiet=args.quiet)
     if args.resume:
         trainer = Trainer.resume(loaded, engine, examples, out, args.feature_cache)
         _say(f"train-drafter: resuming at step {trainer.step}/{trainer.cfg.steps}")
