@@ -186,7 +186,7 @@ def load_into(ctx: ServerContext, cfg: ServerConfig) -> Any:
     ctx.card = card
     ctx.n_ctx = engine.n_ctx
     ctx.model_id = path.stem
-    draft = None if cfg.no_draft else (cfg.draft or (card.drafter_path() if card else None))
+    draft = None if cfg.no_draft else (cfg.draft or default_drafter(card, engine.device))
     if draft:
         engine.enable_speculation(Path(draft), ddtree=cfg.ddtree, budget=cfg.ddtree_budget)
     if cfg.prefix_cache:
@@ -244,6 +244,16 @@ def prefix_cache_props(engine: Any, cfg: ServerConfig) -> dict[str, Any]:
     return {"enabled": True, "slots": s["prefix"]["slots"], "in_use": s["prefix"]["entries"],
             "hits": s["gpu"]["hits"] + s["prefix"]["hits"] + s["exact"]["hits"],
             "exact_slots": s["exact"]["slots"], "disk": s["disk"], "tiers": s}
+
+
+def default_drafter(card: Any, device: Any) -> str | None:
+    """The model card's drafter, on CUDA only: there a block verifies in about the time of one token; on a CPU
+    the verify costs grow with the block, so speculation does not pay and `--draft` must ask for it."""
+    path = card.drafter_path() if card else None
+    if path and device.type != "cuda":
+        log.info("model card drafter %s not used on %s (pass --draft to use it)", path, device.type)
+        return None
+    return path
 
 
 def speculative_props(engine: Any, draft: str | None, cfg: ServerConfig) -> dict[str, Any]:

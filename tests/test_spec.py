@@ -62,17 +62,44 @@ def test_spec_respects_max_tokens_and_eos_inside_a_block(tiny_gguf, tmp_path):
     assert a == b and a[-1] == first[6] and len(a) <= 7
 
 
-def test_default_model_greedy_spec_equals_plain(smollm2_path, tmp_path):
-    draft = random_drafter(smollm2_path, tmp_path / "d", layers=1, block=8, target_layers=[2, 15, 27])
+SHIPPED = Path(__file__).resolve().parent.parent / "model_cards" / "drafters" / "smollm2-135m-instruct-dflash"
+
+
+def chat_prompt(tok, text: str) -> list[int]:
+    return tok.encode(f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n")
+
+
+HELD_OUT = ["What is the capital of France?", "Natalia sold clips to 48 of her friends in April, and then she sold "
+            "half as many clips in May. How many clips did Natalia sell altogether in April and May?",
+            "Write a Python function that returns the n-th Fibonacci number."]
+
+
+def test_default_model_greedy_spec_equals_plain_with_its_shipped_drafter(smollm2_path):
+    """fp32: chain and DDTree give plain decoding's tokens, one sequence alone and three batched."""
     plain = engine(smollm2_path)
-    tok = plain.tokenizer
-    prompts = [tok.encode("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"),
-               tok.encode("def fib(n):\n    ")]
-    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    prompts = [chat_prompt(plain.tokenizer, q) for q in HELD_OUT]
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
     ref = plain.generate(prompts, params)
     for ddtree in (False, True):
-        spec = engine(smollm2_path, draft=str(draft), ddtree=ddtree, ddtree_budget=12)
+        spec = engine(smollm2_path, draft=str(SHIPPED), ddtree=ddtree, ddtree_budget=22)
+        assert spec.generate(prompts[:1], params) == ref[:1]
         assert spec.generate(prompts, params) == ref
+        assert spec.spec.stats.acceptance_length > 1.0
+
+
+def test_shipped_drafter_beats_a_fresh_one_on_held_out_prompts(smollm2_path, tmp_path):
+    from lucebox.engine.loader import load_model
+    from lucebox.engine.spec.train import measure_acceptance
+
+    loaded = load_model(smollm2_path, device=torch.device("cpu"), dtype=torch.float32, quiet=True)
+    fresh = tmp_path / "fresh"
+    shipped = load_drafter(SHIPPED, loaded.config, "cpu", torch.float32)
+    save_drafter(DFlashDrafter.random(shipped.cfg, seed=0), fresh)
+    prompts = [chat_prompt(loaded.tokenizer, q) for q in HELD_OUT]
+    taus = {name: measure_acceptance(loaded, d, prompts, 48, ddtree=True, budget=22).tau
+            for name, d in (("fresh", fresh), ("shipped", SHIPPED))}
+    print("DDTree tau on held-out prompts:", taus)
+    assert taus["fresh"] < 1.05 and taus["shipped"] > taus["fresh"] + 0.2
 
 
 def test_mismatched_drafter_is_refused(tiny_gguf, tmp_path):
