@@ -1,6 +1,15 @@
 """Packaging for Lucebox. Runtime needs only what the design card names."""
 
+from pathlib import Path
+
 from setuptools import find_packages, setup
+
+
+def model_card_files() -> list[tuple[str, list[str]]]:
+    """model_cards/ (cards and the drafters they name) under <prefix>/share/lucebox, for non-editable installs."""
+    folders = [Path("model_cards"), *sorted(p for p in Path("model_cards").rglob("*") if p.is_dir())]
+    return [(f"share/lucebox/{d.as_posix()}", sorted(str(f) for f in d.iterdir() if f.is_file())) for d in folders]
+
 
 setup(
     name="lucebox",
@@ -8,7 +17,7 @@ setup(
     description="Local LLM inference server for agent clients: DFlash, PFlash, tiered prefix cache",
     python_requires=">=3.10",
     packages=find_packages(include=["lucebox", "lucebox.*"]),
-    package_data={"lucebox": ["model_cards/*.json", "drafters/**/*"]},
+    data_files=model_card_files(),
     install_requires=[
         "torch>=2.4",
         "numpy",

@@ -13,6 +13,7 @@ import datetime
 import json
 import logging
 import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,8 @@ from lucebox.errors import LuceboxError
 log = logging.getLogger(__name__)
 
 REPO_CARDS = Path(__file__).resolve().parent.parent / "model_cards"
+if not REPO_CARDS.is_dir():  # a non-editable install: setup.py put them under <prefix>/share/lucebox
+    REPO_CARDS = Path(sys.prefix) / "share" / "lucebox" / "model_cards"
 TIERS = ("low", "medium", "high", "x-high", "max")
 TIER_ALIASES = {"xhigh": "x-high", "x_high": "x-high"}  # OpenAI's spelling of x-high
 _REQUIRED = {"name", "source", "verified_at", "max_tokens"}
