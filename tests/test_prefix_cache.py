@@ -141,3 +141,38 @@ def test_admin_clear_and_visibility(server):
     assert cleared["cleared"] is True
     assert server.ctx.engine.engine.cache.blocks_held == 0
     assert cached(chat(server.url, turn("One more question."))) == 0
+
+
+BASH_TOOL = {"type": "function", "function": {"name": "bash", "description": "Run a shell command.", "parameters": {
+    "type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}}}
+
+
+def test_a_tool_call_sent_back_replays_the_models_own_text_and_hits_the_cache(server):
+    """API.md "multi-turn replay": the call comes back as JSON; rendered as the model wrote it, the next
+    prompt extends the cached one token for token (this template does not render tool_calls at all)."""
+    def ask(messages: list[dict]) -> dict:
+        req = urllib.request.Request(server.url + "/v1/chat/completions", json.dumps({
+            "model": "x", "messages": messages, "temperature": 0, "max_tokens": 40, "tools": [BASH_TOOL],
+            "tool_choice": {"type": "function", "function": {"name": "bash"}}}).encode(),
+            headers={"content-type": "application/json"}, method="POST")
+        with urllib.request.urlopen(req, timeout=600) as r:
+            return json.loads(r.read())
+
+    history = turn("List the files in the current directory.")
+    first = ask(history)
+    calls = first["choices"][0]["message"]["tool_calls"]
+    assert len(calls) == 1 and calls[0]["function"]["name"] == "bash"
+    replayed_before = server.ctx.replay.replayed
+    history += [{"role": "assistant", "content": None, "tool_calls": calls},
+                {"role": "tool", "tool_call_id": calls[0]["id"], "content": "README.md\nsetup.py\nlucebox"}]
+    second = chat(server.url, history)
+    assert server.ctx.replay.replayed == replayed_before + 1
+    produced = first["usage"]["prompt_tokens"] + first["usage"]["completion_tokens"]
+    # The cache keeps whole 16-token blocks; past the first prompt means the model's own call text matched.
+    assert first["usage"]["prompt_tokens"] < cached(second) and cached(second) >= produced - 16, (cached(second),
+                                                                                                 produced)
+    # A call the server never made (an id it does not know) is rendered by the template, not replayed.
+    history[-2] = {"role": "assistant", "content": None, "tool_calls": [{**calls[0], "id": "call_unknown"}]}
+    history[-1] = {**history[-1], "tool_call_id": "call_unknown"}
+    chat(server.url, history)
+    assert server.ctx.replay.replayed == replayed_before + 1

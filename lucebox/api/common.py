@@ -21,6 +21,7 @@ from typing import Any
 from lucebox.chat.events import Event, Finish, ReasoningDelta, TextDelta, ToolCallEnd
 from lucebox.chat.prompt import PromptBuilder
 from lucebox.chat.reasoning import ReasoningConfig
+from lucebox.chat.replay import ToolCallReplay
 from lucebox.chat.stream import EventPipeline
 from lucebox.chat.template import TemplateError
 from lucebox.engine.async_engine import AsyncEngine, Generation, QueueFull
@@ -52,6 +53,7 @@ class ServerContext:
     raw_system: bool = False  # Anthropic: pass the system prompt through untouched
     raw_user: bool = False  # Anthropic: pass user content through untouched
     pflash: Any = None  # lucebox.engine.pflash.service.PFlashService when --prefill-compression is not off
+    replay: ToolCallReplay = field(default_factory=ToolCallReplay)  # tool-call turns rendered as the model wrote them
 
     def ready(self) -> tuple[AsyncEngine, PromptBuilder]:
         if self.engine is None or self.prompt is None:
@@ -321,7 +323,17 @@ class GenerationRun:
                 continue
             if isinstance(ev, Finish):
                 self._finish_usage(reasoning_tokens)
+                self._remember_calls(tok)
             yield ev
+
+    def _remember_calls(self, tok: Any) -> None:
+        """Keep the exact text of a tool-call turn, so the next request can render it back verbatim."""
+        if not self.tool_calls or self.gen is None:
+            return
+        ids = list(self.gen.seq.output_ids)
+        while ids and ids[-1] in tok.eos_ids:
+            ids.pop()
+        self.ctx.replay.remember([c.call_id for c in self.tool_calls], self.prefix + tok.decode(ids))
 
     def _finish_usage(self, reasoning_tokens: int) -> None:
         gen = self.gen
@@ -403,7 +415,8 @@ def render_chat(ctx: ServerContext, builder: PromptBuilder, req: ChatRequest) ->
     if enable is None and "enable_thinking" in kwargs:
         enable = bool(kwargs.pop("enable_thinking"))
     try:
-        text = template.render(req.messages, tools=tools, add_generation_prompt=True, enable_thinking=enable, **kwargs)
+        text = template.render(ctx.replay.rewrite(req.messages), tools=tools, add_generation_prompt=True,
+                               enable_thinking=enable, **kwargs)
     except TemplateError as exc:
         raise HttpError(400, str(exc), "invalid_request_error") from None
     reasoning = None
