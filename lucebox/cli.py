@@ -52,7 +52,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-compression", default=None, metavar="off|auto|always",
                    help="compress long prompts with a scorer before prefill (default auto: above the threshold)")
     p.add_argument("--prefill-threshold", default=None, metavar="N",
-                   help="auto compresses prompts longer than N tokens (default 32000, at most half the context)")
+                   help="auto compresses prompts longer than N tokens (default 32000)")
     p.add_argument("--prefill-keep-ratio", default=None, metavar="R",
                    help="fraction of prompt chunks kept, in (0, 1] (default 0.05)")
     p.add_argument("--prefill-drafter", default=None, metavar="PATH",

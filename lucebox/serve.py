@@ -57,7 +57,7 @@ class ServerConfig:
     kv_cache_budget: int = 4096  # MB
     kv_cache_min_tokens: int = 256
     prefill_compression: str = "auto"  # PFlash: off | auto | always
-    prefill_threshold: int | None = None  # auto compresses longer prompts; None = default_threshold(n_ctx)
+    prefill_threshold: int | None = None  # auto compresses longer prompts; None = DEFAULT_THRESHOLD (32000)
     prefill_keep_ratio: float = PFlashConfig.keep_ratio
     prefill_drafter: str | None = None  # the scorer; None = the model itself
     prefill_skip_park: bool = False
@@ -209,7 +209,7 @@ def enable_pflash(engine: Any, cfg: ServerConfig) -> Any:
     """The PFlash service for `--prefill-compression auto|always` (None when off); loads the scorer."""
     from lucebox.engine.loader import load_model
     from lucebox.engine.pflash import PFlash
-    from lucebox.engine.pflash.service import PFlashService, default_threshold
+    from lucebox.engine.pflash.service import DEFAULT_THRESHOLD, PFlashService
     from lucebox.fetch import resolve_model
 
     cfg.validate()
@@ -221,10 +221,11 @@ def enable_pflash(engine: Any, cfg: ServerConfig) -> Any:
         path = resolve_model(cfg.prefill_drafter)
         if path.resolve() != Path(target.path).resolve():
             scorer = load_model(path, device=target.device, dtype=target.dtype, quiet=True)
-    threshold = cfg.prefill_threshold if cfg.prefill_threshold is not None else default_threshold(engine.n_ctx)
+    threshold = cfg.prefill_threshold if cfg.prefill_threshold is not None else DEFAULT_THRESHOLD
     if cfg.prefill_compression == "auto" and threshold >= engine.n_ctx:
-        log.warning("--prefill-threshold %d is not below the context (%d): auto will never compress "
-                    "(a prompt longer than the context is rejected, not compressed)", threshold, engine.n_ctx)
+        log.info("PFlash auto compresses prompts over %d tokens, more than this model's context (%d): it will not "
+                 "fire here (a longer prompt is rejected, not compressed); --prefill-threshold lowers it",
+                 threshold, engine.n_ctx)
     pflash = PFlash.for_model(target, scorer, PFlashConfig(keep_ratio=cfg.prefill_keep_ratio))
     service = PFlashService(pflash, mode=cfg.prefill_compression, threshold=threshold,
                             keep_ratio=cfg.prefill_keep_ratio, cache=engine.cache, scorer_name=str(scorer.path),

@@ -586,9 +586,13 @@ def test_tool_call_round_trip_with_the_sdk(tool_server):
     r2 = client.chat.completions.create(model="smol", messages=followup, tools=[WEATHER_TOOL], temperature=0,
                                         max_tokens=12)
     assert r2.choices[0].finish_reason in ("stop", "length", "tool_calls")
-    rendered = tool_server.ctx.prompt.render_ids(followup, tools=[WEATHER_TOOL], add_generation_prompt=True)
+    # The call is the server's own: it goes back as the text the model wrote (API.md, multi-turn replay).
+    replayed = tool_server.ctx.replay.rewrite(followup)
+    assert replayed[1] == {"role": "assistant", "content": replayed[1]["content"]}
+    assert replayed[1]["content"].startswith("<tool_call>") and "get_weather" in replayed[1]["content"]
+    rendered = tool_server.ctx.prompt.render_ids(replayed, tools=[WEATHER_TOOL], add_generation_prompt=True)
     assert r2.usage.prompt_tokens == len(rendered) > r.usage.prompt_tokens
-    text = tool_server.ctx.prompt.render(followup, tools=[WEATHER_TOOL], add_generation_prompt=True)
+    text = tool_server.ctx.prompt.render(replayed, tools=[WEATHER_TOOL], add_generation_prompt=True)
     assert "<tool_response>" in text and "get_weather" in text
 
 

@@ -410,8 +410,8 @@ def test_props(live_server):
     assert info["origin"] == "gguf" and info["sha1"] == hashlib.sha1(template.source.encode()).hexdigest()
     assert props["speculative"] == {"enabled": False, "drafter": None, "block_size": None, "ddtree": False,
                                     "ddtree_budget": None}
-    pflash = props["pflash"]  # on by default above half the context, the model scoring its own prompt
-    assert (pflash["mode"], pflash["threshold"], pflash["keep_ratio"]) == ("auto", ctx.n_ctx // 2, 0.05)
+    pflash = props["pflash"]  # auto by default: prompts over 32000 tokens, the model scoring its own prompt
+    assert (pflash["mode"], pflash["threshold"], pflash["keep_ratio"]) == ("auto", 32000, 0.05)
     assert pflash["scorer_is_target"] is True and pflash["compressed_requests"] == 0
     cache = props["prefix_cache"]  # on by default: tier 0 (GPU blocks) and the RAM tiers, no disk
     assert cache["enabled"] is True and cache["slots"] == 32 and cache["exact_slots"] == 4

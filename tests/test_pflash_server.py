@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from lucebox import cli
-from lucebox.engine.pflash.service import ScorerParking, default_threshold
+from lucebox.engine.pflash.service import DEFAULT_THRESHOLD, ScorerParking
 from tests.live_server import start_server
 
 KEEP = 0.1
@@ -163,9 +163,9 @@ def test_always_with_a_separate_scorer_reuses_its_compression_after_a_restart(sm
     server = start_server(smollm2_path, **options)
     try:
         n = raw_tokens(server, content)
-        assert n < default_threshold(server.ctx.n_ctx)
+        assert n < DEFAULT_THRESHOLD
         pf = json.loads(get(server.url, "/props"))["pflash"]
-        assert pf["threshold"] == default_threshold(server.ctx.n_ctx) == server.ctx.n_ctx // 2
+        assert pf["threshold"] == DEFAULT_THRESHOLD
         assert pf["scorer"] == str(scorer) and pf["scorer_is_target"] is False
         first = chat(server.url, content)
         pc = first["timings"]["prefill_compression"]
@@ -217,10 +217,6 @@ def test_bad_flag_in_a_real_process_exits_2_before_loading_anything():
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
         "lucebox: error: --prefill-compression must be one of off, auto, always, got 'never'"]
-
-
-def test_default_threshold_is_the_specs_but_at_most_half_the_context():
-    assert default_threshold(8192) == 4096 and default_threshold(131072) == 32000 == default_threshold(64000)
 
 
 def test_parking_is_a_no_op_off_cuda():

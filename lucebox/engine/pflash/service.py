@@ -42,14 +42,8 @@ from lucebox.engine.pflash.compress import PFlash
 log = logging.getLogger(__name__)
 
 MODES = ("off", "auto", "always")
-DEFAULT_THRESHOLD = 32000  # tokens (spec); capped at half the model's context, see default_threshold
+DEFAULT_THRESHOLD = 32000  # tokens (spec): below that, full prefill is cheap next to scoring plus the risk of loss
 REMEMBERED = 64  # compressions kept in the LRU map (ids only: a few KB each)
-
-
-def default_threshold(n_ctx: int) -> int:
-    """The spec's 32000 tokens, but at most half the context: above that `auto` would almost never fire on a
-    model with a small context (a prompt longer than the context is rejected, not compressed)."""
-    return max(1, min(DEFAULT_THRESHOLD, n_ctx // 2))
 
 
 @dataclass(frozen=True)
