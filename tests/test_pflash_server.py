@@ -151,6 +151,20 @@ def test_props_and_metrics_report_pflash(auto_server, smollm2_path):
     assert server["prefill_compression"] == "auto" and server["prefill_threshold"] == THRESHOLD
 
 
+def test_a_selection_that_does_not_shrink_the_prompt_is_not_used(smollm2_path):
+    """Keeping every chunk (plus the re-added query) would make the prompt longer: the raw one is prefilled."""
+    server = start_server(smollm2_path, kv_tokens=4096, prefill_compression="always", prefill_keep_ratio=1.0)
+    try:
+        content = haystack(12, 4242)
+        body = chat(server.url, content)
+        assert "prefill_compression" not in body["timings"]
+        assert body["usage"]["prompt_tokens"] == raw_tokens(server, content)
+        assert metric(server.url, "lucebox_pflash_scorer_calls_total") == 1
+        assert metric(server.url, "lucebox_pflash_compressed_requests_total") == 0
+    finally:
+        server.stop()
+
+
 def test_always_with_a_separate_scorer_reuses_its_compression_after_a_restart(smollm2_path, tiny_gguf, tmp_path):
     """`always` compresses even a prompt under the default threshold, scored by a tiny model of another
     tokenizer (the kept text is tokenized again for the target); the exact tier persists the result on disk

@@ -376,16 +376,17 @@ async def maybe_compress(ctx: ServerContext, engine: AsyncEngine, builder: Promp
         tok = builder.tokenizer
         keep_bos = tok.add_bos and bool(ids) and ids[0] == tok.bos_id
     done = await asyncio.to_thread(pf.reuse, ids)
-    if done is not None:
-        return done
-    query = last_user_text(req.messages)
-    job = functools.partial(pf.compress, ids, text, query, keep_bos)
-    try:
-        if pf.device.type == "cuda":
-            return await asyncio.wrap_future(engine.call_in_engine(job))
-        return await asyncio.to_thread(job)
-    except LuceboxError as exc:
-        raise HttpError(400, str(exc), "invalid_request_error") from None
+    if done is None:
+        query = last_user_text(req.messages)
+        job = functools.partial(pf.compress, ids, text, query, keep_bos)
+        try:
+            if pf.device.type == "cuda":
+                done = await asyncio.wrap_future(engine.call_in_engine(job))
+            else:
+                done = await asyncio.to_thread(job)
+        except LuceboxError as exc:
+            raise HttpError(400, str(exc), "invalid_request_error") from None
+    return done if done.shrinks else None
 
 
 def last_user_text(messages: list[dict]) -> str | None:

@@ -62,6 +62,11 @@ class Compression:
         return len(self.ids)
 
     @property
+    def shrinks(self) -> bool:
+        """False when selection kept (nearly) everything and re-added the query: then the raw prompt is used."""
+        return len(self.ids) < self.original_tokens
+
+    @property
     def ratio(self) -> float:
         return self.original_tokens / max(1, len(self.ids))
 
@@ -232,6 +237,8 @@ class PFlashService:
             self._remembered.popitem(last=False)
 
     def _count(self, done: Compression) -> None:
+        if not done.shrinks:
+            return
         with self._lock:
             s = self.stats
             s.compressed_requests += 1
