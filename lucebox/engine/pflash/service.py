@@ -1,6 +1,6 @@
 """PFlash in the server: which requests get compressed, the scorer's turns, and reuse of past compressions.
 
-    service = PFlashService(PFlash.for_model(target, scorer), mode="auto", threshold=4096, cache=engine.cache)
+    service = PFlashService(PFlash.for_model(target, scorer), mode="auto", threshold=32000, cache=engine.cache)
     if service.wants(len(raw_ids), has_tools=bool(req.tools)):
         done = service.reuse(raw_ids)                                         # a repeat: no scorer
         done = done or service.compress(raw_ids, text, query, keep_bos)       # blocking: off the event loop
