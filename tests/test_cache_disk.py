@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -287,6 +288,27 @@ def test_clear_removes_everything(tmp_path):
         store.put(1, *entry(16, seed=i))
     assert store.clear() == 4
     assert os.listdir(store.dir) == [] and store.stats().entries == 0 and store.stats().bytes == 0
+
+
+def test_clear_leaves_nothing_behind_from_a_write_in_flight(tmp_path, monkeypatch):
+    """The writer is held inside a real write while clear() runs: that entry must not appear afterwards."""
+    store = DiskStore(tmp_path, LAYOUT, 1 << 30)
+    started, release = threading.Event(), threading.Event()
+    put = store.put
+
+    def held_put(*args):
+        started.set()
+        release.wait(10)
+        return put(*args)
+
+    monkeypatch.setattr(store, "put", held_put)
+    assert store.put_async(1, *entry(64, seed=1)) and store.put_async(1, *entry(64, seed=2))
+    assert started.wait(10)
+    threading.Timer(0.3, release.set).start()
+    store.clear()
+    store.flush()
+    assert store.stats().entries == 0 and [f for f in os.listdir(store.dir) if not f.startswith(".")] == []
+    store.close()
 
 
 def test_bad_arguments_are_refused(tmp_path):

@@ -511,7 +511,8 @@ class DiskStore:
     # ----- admin -------------------------------------------------------------
 
     def clear(self) -> int:
-        """Delete every entry (admin); returns how many. Jobs still queued are dropped."""
+        """Delete every entry (admin); returns how many. Jobs still queued are dropped; the one the writer
+        is in the middle of is waited for (else its entry would land after the clear)."""
         while True:
             try:
                 job = self._queue.get_nowait()
@@ -521,6 +522,7 @@ class DiskStore:
                 with self._lock:
                     self._pending.discard((job[1], job[2]))
             self._queue.task_done()
+        self._queue.join()
         with self._lock:
             entries = list(self._index.values())
             for entry in entries:
