@@ -9,14 +9,9 @@ import pytest
 
 from lucebox.clients.probe import CHECKS, run_checks
 
-# Checks known to fail on today's server (each with a regression test in test_protocol_regressions.py).
-KNOWN: dict[str, str] = {}
-
 
 @pytest.mark.parametrize("name", [c.name for c in CHECKS])
-def test_probe_check(server, name, request):
-    if name in KNOWN:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=KNOWN[name]))
+def test_probe_check(server, name):
     (result,) = run_checks(server.url, only=[name])
     assert result.ok, f"{name} ({result.check.clients}): {result.detail}"
 

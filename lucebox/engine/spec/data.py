@@ -465,6 +465,18 @@ def render(builder: Any, prompt: Prompt) -> list[int]:
 # ----- a minimal Parquet reader (string columns) -----------------------------------------------
 
 
+def _uleb128(buf: bytes, pos: int) -> tuple[int, int]:
+    """An unsigned LEB128 varint at `pos` (Thrift, Snappy and the RLE hybrid all use it): (value, next pos)."""
+    out = shift = 0
+    while True:
+        b = buf[pos]
+        pos += 1
+        out |= (b & 0x7F) << shift
+        shift += 7
+        if not b & 0x80:
+            return out, pos
+
+
 class _Thrift:
     """Thrift compact protocol, decoded generically into {field id: value} dicts."""
 
@@ -472,14 +484,8 @@ class _Thrift:
         self.buf, self.pos = buf, pos
 
     def _varint(self) -> int:
-        out = shift = 0
-        while True:
-            b = self.buf[self.pos]
-            self.pos += 1
-            out |= (b & 0x7F) << shift
-            shift += 7
-            if not b & 0x80:
-                return out
+        out, self.pos = _uleb128(self.buf, self.pos)
+        return out
 
     def _zigzag(self) -> int:
         v = self._varint()
@@ -539,15 +545,7 @@ class _Thrift:
 
 def snappy_decompress(data: bytes) -> bytes:
     """Raw Snappy (the block format Parquet uses)."""
-    pos = 0
-    length = shift = 0
-    while True:
-        b = data[pos]
-        pos += 1
-        length |= (b & 0x7F) << shift
-        shift += 7
-        if not b & 0x80:
-            break
+    length, pos = _uleb128(data, 0)
     out = bytearray()
     n = len(data)
     while pos < n:
@@ -611,14 +609,7 @@ def _hybrid(buf: bytes, pos: int, end: int, bit_width: int, count: int) -> list[
     byte_w = (bit_width + 7) // 8
     mask = (1 << bit_width) - 1
     while len(out) < count and pos < end:
-        head = shift = 0
-        while True:
-            b = buf[pos]
-            pos += 1
-            head |= (b & 0x7F) << shift
-            shift += 7
-            if not b & 0x80:
-                break
+        head, pos = _uleb128(buf, pos)
         if head & 1:  # bit-packed groups of 8 values
             n_bytes = (head >> 1) * bit_width
             bits = int.from_bytes(buf[pos: pos + n_bytes], "little")
