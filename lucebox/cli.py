@@ -17,30 +17,55 @@ from typing import Any
 from lucebox.errors import LuceboxError
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Flags shared by every command that loads a model."""
+def add_engine_args(p: argparse.ArgumentParser, positional: bool = False) -> None:
+    """Flags shared by every command that loads a model; `positional` also takes the model as `MODEL`."""
+    if positional:
+        p.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
+                       help="the model, as with --model (llama-server and vLLM take it this way)")
     p.add_argument("--model", "-m", default=None,
                    help="GGUF file, Hugging Face folder, or a known name (smollm2, gemma3-270m); default smollm2")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA) | float32 | bfloat16 | float16")
     p.add_argument("--ctx-size", "-c", type=int, default=None, dest="n_ctx", help="context length (default: model's)")
+    p.add_argument("--weights", choices=["auto", "quantized", "dense"], default="auto",
+                   help="GGUF quant blocks: auto (kept quantized on CUDA only when the dense copy would not fit) "
+                        "| quantized | dense")
     p.add_argument("--chat-template-file", type=Path, default=None, help="jinja chat template overriding the model's")
 
 
-def add_serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default=None, help="bind address (default 127.0.0.1; 0.0.0.0 to expose)")
-    p.add_argument("--port", type=int, default=None, help="default 8080")
-    p.add_argument("--api-key", default=None, help="require this key (Bearer or x-api-key); env LUCEBOX_API_KEY")
-    p.add_argument("--no-cors", action="store_true", help="no CORS headers")
+def add_decoding_args(p: argparse.ArgumentParser) -> None:
+    """Engine flags `serve` and `generate` share (one builder, so both commands load the model alike)."""
     p.add_argument("--model-card", type=Path, default=None, help="model card JSON (default: looked up by model name)")
-    p.add_argument("--max-num-seqs", type=int, default=None, help="sequences decoded together (default 16)")
-    p.add_argument("--max-queue", type=int, default=None, help="waiting requests before 503 (default 256)")
     p.add_argument("--max-step-tokens", type=int, default=None, help="prefill chunk budget per step (default 2048)")
     p.add_argument("--kv-tokens", type=int, default=None, help="KV cache size in tokens (default: from memory)")
-    p.add_argument("--draft", default=None, help="DFlash drafter folder (default: the model card's drafter)")
+    p.add_argument("--draft", default=None, help="DFlash drafter folder (default: none, plain decoding)")
     p.add_argument("--no-draft", action="store_true", help="plain decoding even when a drafter is available")
     p.add_argument("--ddtree", action="store_true", help="verify a draft tree (DDTree) instead of a chain")
     p.add_argument("--ddtree-budget", type=int, default=None, help="draft tree nodes per verification (default 22)")
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    """Flags of the server itself (socket, auth, batching, prefix cache, PFlash)."""
+    p.add_argument("--host", default=None, help="bind address (default 127.0.0.1; 0.0.0.0 to expose)")
+    p.add_argument("--port", type=int, default=None, help="default 8080")
+    p.add_argument("--api-key", default=None, help="require this key (Bearer or x-api-key); env LUCEBOX_API_KEY")
+    p.add_argument("--no-cors", action="store_true", help="no CORS headers: only same-origin pages (/status) work")
+    p.add_argument("--cors-origins", default=None, metavar="LIST",
+                   help="browser origins allowed besides loopback ones, comma-separated: https://app.example, "
+                        "http://host:* (any port), * (any page: logged as a warning); env LUCEBOX_CORS_ORIGINS")
+    p.add_argument("--allowed-hosts", default=None, metavar="LIST",
+                   help="Host header names accepted besides loopback ones and --host (DNS rebinding guard), "
+                        "comma-separated; * turns the check off; env LUCEBOX_ALLOWED_HOSTS")
+    p.add_argument("--max-connections", type=int, default=None,
+                   help="open connections at most (default: 3/4 of the open-file limit, at most 4096)")
+    p.add_argument("--request-timeout", type=float, default=None,
+                   help="seconds to receive a whole request, head and body (default 60)")
+    p.add_argument("--max-body-mb", type=int, default=None, help="largest request body in MiB (default 16)")
+    p.add_argument("--shutdown-grace", type=float, default=None,
+                   help="seconds in-flight requests get after SIGTERM before open streams end with an error "
+                        "event (default 10)")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="sequences decoded together (default 16)")
+    p.add_argument("--max-queue", type=int, default=None, help="waiting requests before 503 (default 256)")
     p.add_argument("--no-prefix-cache", action="store_true", help="no KV reuse across requests")
     p.add_argument("--no-gpu-prefix-cache", action="store_true", help="keep no finished KV blocks on the device")
     p.add_argument("--prefix-cache-slots", type=int, default=None, help="RAM turn-boundary snapshots (default 32)")
@@ -67,7 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command")
 
     p = sub.add_parser("serve", help="serve the OpenAI and Anthropic APIs (the default command)")
-    add_engine_args(p)
+    add_engine_args(p, positional=True)
+    add_decoding_args(p)
     add_serve_args(p)
     p.set_defaults(func=_lazy("lucebox.serve", "main"))
 
@@ -76,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_pull)
 
     p = sub.add_parser("generate", help="generate text from a prompt, streamed to stdout")
-    add_engine_args(p)
+    add_engine_args(p, positional=True)
+    add_decoding_args(p)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", "-p", help="user message (or raw text with --raw)")
     src.add_argument("--messages", help="JSON list of chat messages, or @FILE holding it")
@@ -99,6 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--batch-sizes", default="1,4,16")
     b.add_argument("--gen-len", type=int, default=64)
     b.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    b.add_argument("--compare-dense", action="store_true",
+                   help="also time decode with the file's quantized weights held dense (dequantized at load)")
     b.add_argument("--json", type=Path, default=Path("bench_decode.json"), help="where to write the results")
     b.set_defaults(func=_lazy("lucebox.bench.decode", "main"))
 
@@ -118,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "many, default 8)")
     b.add_argument("--dialect", choices=["chat", "anthropic"], default="chat")
     b.add_argument("--data-dir", type=Path, default=None,
-                   help="folder with swe_bench_verified.parquet or prompts/*.jsonl (default ../shared/data)")
+                   help="folder with swe_bench_verified.parquet or prompts/*.jsonl (default: lucebox/data)")
     b.add_argument("--api-key", default=None, help="key to send (default: env LUCEBOX_API_KEY)")
     b.add_argument("--json", type=Path, default=Path("bench_serve.json"), help="where to write the results")
     b.set_defaults(func=_lazy("lucebox.bench.serve", "main"))
@@ -130,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--prompts", type=int, default=10, help="prompts per suite")
     b.add_argument("--max-new", type=int, default=256, help="max new tokens per prompt")
     b.add_argument("--budgets", default="8,16,32", help="DDTree budgets to run")
-    b.add_argument("--data-dir", type=Path, default=None, help="the shared data folder")
+    b.add_argument("--data-dir", type=Path, default=None, help="data folder (default: lucebox/data)")
     b.add_argument("--json", type=Path, default=Path("bench_spec.json"), help="where to write the results")
     b.set_defaults(func=_lazy("lucebox.bench.spec", "main"))
 
@@ -142,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--user-chars", type=int, default=1500, help="user turn length (characters)")
     b.add_argument("--gen-len", type=int, default=32, help="assistant tokens per turn")
     b.add_argument("--kv-cache-dir", type=Path, default=None, help="disk tier folder (default: a temp folder)")
-    b.add_argument("--data-dir", type=Path, default=None, help="the shared data folder")
+    b.add_argument("--data-dir", type=Path, default=None, help="data folder (default: lucebox/data)")
     b.add_argument("--json", type=Path, default=Path("bench_cache.json"), help="where to write the results")
     b.set_defaults(func=_lazy("lucebox.bench.cache", "main"))
     b = bench.add_parser("pflash", help="PFlash prompt compression: needle retention, or TTFT at long lengths")
@@ -169,7 +198,7 @@ def add_pflash_bench_args(b: argparse.ArgumentParser) -> None:
     b.add_argument("--trials", type=int, default=1, help="retention: pass keys per length and depth")
     b.add_argument("--max-new", type=int, default=16, help="retention: answer tokens")
     b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--data-dir", type=Path, default=None, help="the shared data folder (filler text)")
+    b.add_argument("--data-dir", type=Path, default=None, help="data folder for filler text (default: lucebox/data)")
     b.add_argument("--speed", action="store_true", help="TTFT at long lengths with random-weight models")
     b.add_argument("--speed-lens", default="16384,32768,65536,131072", help="--speed: prompt lengths")
     b.add_argument("--target-shape", default="qwen3-8b", help="--speed: qwen3-8b | qwen3-0.6b | tiny | tiny-scorer")
@@ -189,7 +218,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="target dtype: auto (fp32 on CPU, bf16 on CUDA) | float32 | "
                    "bfloat16 | float16")
     g = p.add_argument_group("data")
-    g.add_argument("--data-dir", type=Path, default=None, help="shared data folder (default ../shared/data)")
+    g.add_argument("--data-dir", type=Path, default=None, help="data folder (default: lucebox/data)")
     g.add_argument("--prompts", type=Path, action="append", default=[],
                    help="extra training prompts, JSONL with `messages` or `prompt` per line (repeatable)")
     g.add_argument("--sources", default="swe_bench,agent,smoke,math,code,chat,file",
@@ -284,15 +313,29 @@ def parse_messages(text: str) -> list[dict]:
     return messages
 
 
+def generate_config(args: argparse.Namespace) -> Any:
+    """The server configuration `generate` loads with: serve's defaults (environment included), generate's flags,
+    one sequence, and no prefix cache or PFlash (one prompt, nothing to reuse or compress)."""
+    from lucebox.serve import ServerConfig
+
+    settings = vars(build_parser().parse_args(["serve"]))
+    settings.update({k: v for k, v in vars(args).items() if k in settings and k != "command"})
+    settings.update(max_num_seqs=1, no_prefix_cache=True, prefill_compression="off")
+    return ServerConfig.from_args(argparse.Namespace(**settings))
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
-    from lucebox.chat.prompt import PromptBuilder
+    from lucebox.api.common import ServerContext
     from lucebox.engine.sampler import SamplingParams
+    from lucebox.serve import load_into
 
     messages = parse_messages(args.messages) if args.messages else None
     if args.raw and messages:
         raise LuceboxError("--raw takes --prompt, not --messages")
-    engine = engine_from_args(args, max_num_seqs=1)
-    builder = PromptBuilder.for_model(engine.loaded, override_file=args.chat_template_file)
+    cfg = generate_config(args)
+    ctx = ServerContext(model_id=cfg.model or "lucebox", n_ctx=cfg.n_ctx or 0)
+    engine = load_into(ctx, cfg)  # as `serve` loads it: model card, chat template, drafter
+    builder = ctx.prompt
     if args.raw:
         ids = engine.tokenizer.encode(args.prompt, add_special=True)
     else:
@@ -317,14 +360,36 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def take_positional_model(args: argparse.Namespace) -> None:
+    """`serve MODEL` / `generate MODEL` mean `--model MODEL`; both, naming different models, is an error."""
+    path = getattr(args, "model_path", None)
+    if path is None:
+        return
+    if args.model is not None and args.model != path:
+        raise LuceboxError(f"the model is given twice: {path!r} and --model {args.model!r} (give one)")
+    args.model = path
+
+
+def parse_argv(argv: list[str]) -> argparse.Namespace:
+    """Parse a command line as `main` does: no command means `serve`; `clients run`'s arguments after `--`
+    go to the client verbatim."""
+    from lucebox.clients.cli import split_passthrough
+
     parser = build_parser()
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = list(argv)
     commands = set(parser._subparsers._group_actions[0].choices)  # type: ignore[union-attr]
     first = next((a for a in argv if a not in ("-v", "--verbose")), None)
     if first is None or (first not in commands and first not in ("-h", "--help")):
         argv.insert(argv.index(first) if first else len(argv), "serve")
+    argv, passthrough = split_passthrough(argv)
     args = parser.parse_args(argv)
+    if passthrough is not None:
+        args.args = [*args.args, *passthrough]
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_argv(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname).1s %(name)s: %(message)s",
@@ -332,6 +397,7 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
     )
     try:
+        take_positional_model(args)
         return args.func(args)
     except LuceboxError as exc:
         print(f"lucebox: error: {exc}", file=sys.stderr)

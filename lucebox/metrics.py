@@ -83,7 +83,8 @@ class Metrics:
             lines.append(f"# TYPE {name} {kind}")
 
         with self._lock:
-            family("lucebox_requests_total", "counter", "HTTP requests by route and status")
+            family("lucebox_requests_total", "counter",
+                   "HTTP requests by route and status (499: the client closed the connection before the answer)")
             for (route, status), n in sorted(self.requests.items()):
                 lines.append(f'lucebox_requests_total{{route="{_esc(route)}",status="{status}"}} {n}')
             family("lucebox_generations_total", "counter", "Finished generations by finish reason")

@@ -1,4 +1,4 @@
-"""Model cards: per-model defaults in sidecar JSON (shared/spec/MODEL_CARDS.md).
+"""Model cards: per-model defaults in sidecar JSON (docs/spec/MODEL_CARDS.md).
 
 Lookup: the slug of the model's name (`general.name` of a GGUF, the HF
 folder's `_name_or_path` or folder name) in `--model-card PATH`, then the

@@ -36,8 +36,14 @@ class ServerConfig:
     port: int = 8080
     api_key: str | None = None
     cors: bool = True
+    cors_origins: list[str] = dataclasses.field(default_factory=list)  # browser origins besides loopback ones
+    allowed_hosts: list[str] = dataclasses.field(default_factory=list)  # Host names besides loopback and --host
+    max_connections: int | None = None  # None = from the open-file limit (lucebox.http.server)
+    request_timeout: float = 60.0  # seconds to receive a whole request, head and body
+    max_body_mb: int = 16  # larger request bodies get 413
     device: str = "auto"
     dtype: str = "auto"
+    weights: str = "auto"  # GGUF quant blocks on the device: auto | quantized | dense
     n_ctx: int | None = None
     chat_template_file: Path | None = None
     model_card: Path | None = None
@@ -45,7 +51,7 @@ class ServerConfig:
     max_queue: int = 256
     max_step_tokens: int = 2048
     kv_tokens: int | None = None
-    draft: str | None = None  # DFlash drafter folder; None = the model card's, if any
+    draft: str | None = None  # DFlash drafter folder; None = plain decoding (see drafter_hint)
     no_draft: bool = False
     ddtree: bool = False
     ddtree_budget: int = 22
@@ -61,7 +67,7 @@ class ServerConfig:
     prefill_keep_ratio: float = PFlashConfig.keep_ratio
     prefill_drafter: str | None = None  # the scorer; None = the model itself
     prefill_skip_park: bool = False
-    grace: float = 10.0
+    grace: float = 10.0  # seconds in-flight requests get after SIGTERM; open streams then end with an error event
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServerConfig:
@@ -83,10 +89,17 @@ class ServerConfig:
             model=pick("model", "LUCEBOX_MODEL", str, None),
             host=pick("host", "LUCEBOX_HOST", str, "127.0.0.1"),
             port=pick("port", "LUCEBOX_PORT", int, 8080),
-            api_key=pick("api_key", "LUCEBOX_API_KEY", str, None),
+            api_key=_api_key(getattr(args, "api_key", None)),
             cors=not getattr(args, "no_cors", False),
+            cors_origins=_names(pick("cors_origins", "LUCEBOX_CORS_ORIGINS", str, "")),
+            allowed_hosts=_names(pick("allowed_hosts", "LUCEBOX_ALLOWED_HOSTS", str, "")),
+            max_connections=pick("max_connections", "LUCEBOX_MAX_CONNECTIONS", int, None),
+            request_timeout=pick("request_timeout", "LUCEBOX_REQUEST_TIMEOUT", float, 60.0),
+            max_body_mb=pick("max_body_mb", "LUCEBOX_MAX_BODY_MB", int, 16),
+            grace=pick("shutdown_grace", "LUCEBOX_SHUTDOWN_GRACE", float, 10.0),
             device=args.device,
             dtype=args.dtype,
+            weights=getattr(args, "weights", "auto"),
             n_ctx=args.n_ctx,
             chat_template_file=args.chat_template_file,
             model_card=getattr(args, "model_card", None),
@@ -117,6 +130,20 @@ class ServerConfig:
     def validate(self) -> ServerConfig:
         """Raise LuceboxError naming the first bad setting (checked before anything loads)."""
         from lucebox.fetch import KNOWN_MODELS
+        from lucebox.http.security import parse_origins
+
+        try:
+            parse_origins(self.cors_origins)
+        except ValueError as exc:
+            raise LuceboxError(str(exc)) from None
+        if self.max_connections is not None and self.max_connections < 1:
+            raise LuceboxError(f"--max-connections must be at least 1, got {self.max_connections}")
+        if not self.request_timeout > 0:
+            raise LuceboxError(f"--request-timeout must be a number of seconds > 0, got {self.request_timeout}")
+        if self.max_body_mb < 1:
+            raise LuceboxError(f"--max-body-mb must be at least 1, got {self.max_body_mb}")
+        if not self.grace >= 0:
+            raise LuceboxError(f"--shutdown-grace must be a number of seconds >= 0, got {self.grace}")
 
         if self.prefill_compression not in PFLASH_MODES:
             raise LuceboxError(f"--prefill-compression must be one of {', '.join(PFLASH_MODES)}, "
@@ -135,6 +162,23 @@ class ServerConfig:
         d = dataclasses.asdict(self)
         d["api_key"] = "***" if self.api_key else None
         return {k: (str(v) if isinstance(v, Path) else v) for k, v in d.items()}
+
+
+def _api_key(flag: str | None) -> str | None:
+    """`--api-key`, else LUCEBOX_API_KEY; an empty one is refused: it must never quietly mean "no auth"."""
+    for source, value in (("--api-key", flag), ("LUCEBOX_API_KEY", os.environ.get("LUCEBOX_API_KEY"))):
+        if value is None:
+            continue
+        if not value.strip():
+            raise LuceboxError(f"{source} is set but empty; give the key clients must send, or unset it to serve "
+                               "without one")
+        return value.strip()
+    return None
+
+
+def _names(raw: str) -> list[str]:
+    """A comma-separated flag or environment value as a list (`a, b,` -> ["a", "b"])."""
+    return [n.strip() for n in raw.split(",") if n.strip()]
 
 
 def _number(flag: str, cast: type, raw: Any) -> Any:
@@ -173,8 +217,9 @@ def load_into(ctx: ServerContext, cfg: ServerConfig) -> Any:
     from lucebox.fetch import resolve_model
 
     path = resolve_model(cfg.model)
-    engine_cfg = EngineConfig(device=cfg.device, dtype=cfg.dtype, n_ctx=cfg.n_ctx, kv_tokens=cfg.kv_tokens,
-                              max_num_seqs=cfg.max_num_seqs, max_step_tokens=cfg.max_step_tokens)
+    engine_cfg = EngineConfig(device=cfg.device, dtype=cfg.dtype, weights=cfg.weights, n_ctx=cfg.n_ctx,
+                              kv_tokens=cfg.kv_tokens, max_num_seqs=cfg.max_num_seqs,
+                              max_step_tokens=cfg.max_step_tokens)
     engine = LLMEngine.from_path(path, engine_cfg)
     loaded = engine.loaded
     names = [loaded.config.name, path.stem, path.stem.split(".")[0], path.name]
@@ -186,9 +231,11 @@ def load_into(ctx: ServerContext, cfg: ServerConfig) -> Any:
     ctx.card = card
     ctx.n_ctx = engine.n_ctx
     ctx.model_id = path.stem
-    draft = None if cfg.no_draft else (cfg.draft or default_drafter(card, engine.device))
+    draft = None if cfg.no_draft else cfg.draft
     if draft:
         engine.enable_speculation(Path(draft), ddtree=cfg.ddtree, budget=cfg.ddtree_budget)
+    else:
+        drafter_hint(card)
     if cfg.prefix_cache:
         from lucebox.cache.manager import CacheConfig
 
@@ -247,14 +294,15 @@ def prefix_cache_props(engine: Any, cfg: ServerConfig) -> dict[str, Any]:
             "exact_slots": s["exact"]["slots"], "disk": s["disk"], "tiers": s}
 
 
-def default_drafter(card: Any, device: Any) -> str | None:
-    """The model card's drafter, on CUDA only: there a block verifies in about the time of one token; on a CPU
-    the verify costs grow with the block, so speculation does not pay and `--draft` must ask for it."""
+def drafter_hint(card: Any) -> None:
+    """Plain decoding unless `--draft` asks for a drafter, on every device: the shipped drafter is slower than
+    plain decoding in `bench spec` (README), so none is on by default until a benchmark shows a speedup.
+    Says once, at start-up, how to turn it on."""
     path = card.drafter_path() if card else None
-    if path and device.type != "cuda":
-        log.info("model card drafter %s not used on %s (pass --draft to use it)", path, device.type)
-        return None
-    return path
+    if path:
+        log.info("speculative decoding off (plain decoding); the model card's drafter turns it on: --draft %s", path)
+    else:
+        log.info("speculative decoding off (plain decoding); --draft DIR turns it on with a DFlash drafter")
 
 
 def speculative_props(engine: Any, draft: str | None, cfg: ServerConfig) -> dict[str, Any]:
@@ -292,12 +340,20 @@ def http_options(ctx: ServerContext, cfg: ServerConfig, router: Router) -> dict[
     """HttpServer keyword arguments, including the per-request metrics hook."""
     paths = {path for _, path in router.routes}
 
+    def end_generations() -> None:
+        """At the end of the shutdown grace: cancel every generation, so each stream ends in its dialect's way."""
+        if ctx.engine is not None:
+            ctx.engine.cancel_all()
+
     def on_request(method: str, path: str, status: int, fields: dict[str, Any]) -> None:
         ctx.metrics.count_request(path if path in paths else "other", status)
         if fields.get("disconnected"):
             ctx.metrics.count_disconnect()
 
-    return {"host": cfg.host, "port": cfg.port, "cors": cfg.cors, "api_key": cfg.api_key, "on_request": on_request}
+    return {"host": cfg.host, "port": cfg.port, "cors": cfg.cors, "cors_origins": cfg.cors_origins,
+            "allowed_hosts": cfg.allowed_hosts, "max_connections": cfg.max_connections,
+            "request_timeout": cfg.request_timeout, "max_body": cfg.max_body_mb << 20, "api_key": cfg.api_key,
+            "on_request": on_request, "before_cancel": end_generations}
 
 
 def main(args: argparse.Namespace) -> int:

@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from lucebox import fetch
+from lucebox.data import DATA_DIR
+from tests.memory import release_memory
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+
+def data_file(rel: str) -> Path:
+    """A file of the bundled data (lucebox/data); the calling test skips, naming it, when it is absent."""
+    path = DATA_DIR / rel
+    if not path.is_file():
+        pytest.skip(f"{path} is not available (the data bundled in lucebox/data)")
+    return path
 
 
 @pytest.fixture(scope="session")
@@ -24,11 +33,52 @@ def gemma3_path() -> Path:
 from tests.fixtures.tiny_models import tiny_gguf, tiny_hf_folder  # noqa: E402,F401  (session fixtures)
 
 
-@pytest.fixture(scope="session")
-def live_server(smollm2_path):
-    """The full server on the default model, shared by the API tests (fp32 on CPU)."""
-    from tests.live_server import start_server
+class SharedServer:
+    """The default-model server the API tests share (`live_server`).
 
-    server = start_server(smollm2_path)
-    yield server
-    server.stop()
+    It keeps running from one module to the next while they use it, stops as soon as a module that does not
+    use it starts, and starts again for the next one that does: a server is ~1.6 GB, and the modules in
+    between (transformers parity with two copies of Gemma 3, the drafter trainer, ...) need that memory.
+    """
+
+    def __init__(self) -> None:
+        self.server: Any = None
+
+    def get(self, model: Path) -> Any:
+        if self.server is None:
+            from tests.live_server import start_server
+
+            self.server = start_server(model)
+        return self.server
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+
+
+SHARED_SERVER = SharedServer()
+
+
+@pytest.fixture(scope="module")
+def live_server(smollm2_path):
+    """The full server on the default model, shared by the API tests (fp32 on CPU); see SharedServer."""
+    return SHARED_SERVER.get(smollm2_path)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _stop_the_shared_server():
+    yield
+    SHARED_SERVER.stop()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_memory_after_each_module(request):
+    """Stop the shared server before a module that does not use it; after each module, hand what it freed
+    (its servers, engines, transformers reference models) back to the OS, so the suite's peak is the
+    largest module's, not the sum of them all."""
+    if not any("live_server" in item.fixturenames for item in request.session.items
+               if getattr(item, "module", None) is request.module):
+        SHARED_SERVER.stop()
+    yield
+    release_memory()

@@ -16,6 +16,7 @@ from typing import Any
 from lucebox.api.common import ServerContext
 from lucebox.http import HttpServer
 from lucebox.serve import ServerConfig, http_options, make_app, start_engine
+from tests.memory import release_memory
 
 
 @dataclass
@@ -32,8 +33,12 @@ class LiveServer:
         return self.url + "/v1"
 
     def stop(self) -> None:
+        """Stop serving and give the memory back: the context (engine, weights, KV) is dropped, so a test
+        that starts servers one after another holds one at a time, not all of them until it returns."""
         self.loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(timeout=30)
+        self.ctx = None  # type: ignore[assignment]
+        release_memory()
 
 
 def start_server(model: Path | str, **overrides: Any) -> LiveServer:

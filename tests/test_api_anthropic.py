@@ -613,7 +613,7 @@ def _raw_request(live_server, body: dict) -> socket.socket:
     url = urlsplit(live_server.url)
     data = json.dumps(body).encode()
     sock = socket.create_connection((url.hostname, url.port), timeout=30)
-    sock.sendall(b"POST /v1/messages HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall(b"POST /v1/messages HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                  b"Content-Length: " + str(len(data)).encode() + b"\r\n\r\n" + data)
     return sock
 

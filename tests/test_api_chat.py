@@ -616,7 +616,7 @@ def test_client_disconnect_aborts_generation(live_server, stream):
                          "stop": []})
     host, port = live_server.url.removeprefix("http://").split(":")
     sock = socket.create_connection((host, int(port)), timeout=30)
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                  b"Content-Length: %d\r\n\r\n" % len(body) + body)
     if stream:
         got = b""
@@ -630,3 +630,50 @@ def test_client_disconnect_aborts_generation(live_server, stream):
     assert wait_for(lambda: engine.num_disconnects > before)
     assert wait_for(lambda: engine.num_running == 0 and engine.engine.blocks_in_use == 0)
     assert engine.steps - steps < 100  # aborted long before its 1000 tokens
+
+
+COUNT = "Count from 1 to 300, separated by commas."
+LONG_BODIES = {
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": COUNT}], "max_tokens": 1000},
+    "/v1/completions": {"prompt": COUNT, "max_tokens": 1000},
+    "/v1/responses": {"input": COUNT, "max_output_tokens": 1000},
+    "/v1/messages": {"messages": [{"role": "user", "content": COUNT}], "max_tokens": 1000},
+}
+
+
+def requests_counted(url: str, path: str, status: int) -> int:
+    """lucebox_requests_total for (path, status), read from /metrics."""
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    conn.close()
+    line = f'lucebox_requests_total{{route="{path}",status="{status}"}} '
+    return next((int(x.removeprefix(line)) for x in text.splitlines() if x.startswith(line)), 0)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+@pytest.mark.parametrize("path", list(LONG_BODIES))
+def test_client_disconnect_is_one_outcome_499_in_log_and_metrics(live_server, caplog, path, stream):
+    """A client that hangs up mid-generation: status 499 in the request's log line and in /metrics, every dialect,
+    streamed or not (it was 503 "server shutting down?" for a non-streaming chat, 200 elsewhere)."""
+    caplog.set_level(logging.INFO, logger="lucebox.http")
+    engine = live_server.ctx.engine
+    before = requests_counted(live_server.url, path, 499)
+    body = orjson.dumps({"model": "m", "temperature": 0, "stream": stream, **LONG_BODIES[path]})
+    host, port = live_server.url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=30)
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    if stream:
+        got = b""
+        while got.count(b"data: ") < 4:  # generation is running
+            got += sock.recv(65536)
+        assert got.startswith(b"HTTP/1.1 200"), got[:200]
+    else:
+        assert wait_for(lambda: engine.num_running > 0)
+    sock.close()
+    assert wait_for(lambda: requests_counted(live_server.url, path, 499) == before + 1)
+    assert wait_for(lambda: engine.num_running == 0)
+    lines = [r.getMessage() for r in caplog.records if r.name == "lucebox.http" and f" POST {path} " in r.getMessage()]
+    assert lines and f" POST {path} 499 " in lines[-1] and "disconnected=1" in lines[-1], lines

@@ -40,12 +40,12 @@ from lucebox.chat.events import (
     new_call_id,
 )
 from lucebox.chat.template import ChatTemplate
+from lucebox.data import DATA_DIR
 from lucebox.http import HttpError
-from tests.conftest import SHARED
 
 ROOT = Path(__file__).resolve().parents[1]
 QWEN3_TEMPLATE = ROOT / "tests/data/templates/Qwen-Qwen3-0.6B.jinja"
-CODEX_PROMPT = SHARED / "data/agent_prompts/codex_gpt5_codex.md"
+CODEX_PROMPT = DATA_DIR / "agent_prompts/codex_gpt5_codex.md"
 STREAM_EVENT = pydantic.TypeAdapter(ResponseStreamEvent)
 TERMINAL = ("response.completed", "response.incomplete", "response.failed")
 
@@ -672,12 +672,13 @@ def test_sdk_stream_helper_reaches_completed(client):
     if not hasattr(client.responses, "stream"):
         pytest.skip("this openai SDK has no responses.stream helper")
     # `stop` is not a Responses field; this server honours it, so the answer ends with a completed response.
-    with client.responses.stream(model="m", input="Name three colors.", max_output_tokens=64,
-                                 extra_body={"stop": [","]}) as stream:
+    # Greedy (temperature 0): the default model answers "1. Red\n2. Blue\n3. Green", so the stop always fires.
+    with client.responses.stream(model="m", input="Name three colors.", max_output_tokens=64, temperature=0,
+                                 extra_body={"stop": ["Blue"]}) as stream:
         kinds = [event.type for event in stream]
         final = stream.get_final_response()
     assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
-    assert final.status == "completed" and final.output_text and "," not in final.output_text
+    assert final.status == "completed" and "Red" in final.output_text and "Blue" not in final.output_text
 
 
 def test_sse_framing_on_the_wire(live_server):
@@ -767,7 +768,7 @@ def test_disconnect_mid_stream_aborts_the_generation(live_server):
                          "stream": True})
     host, port = live_server.url.removeprefix("http://").split(":")
     sock = socket.create_connection((host, int(port)), timeout=30)
-    sock.sendall(b"POST /v1/responses HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall(b"POST /v1/responses HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                  b"Content-Length: %d\r\n\r\n" % len(body) + body)
     seen = b""
     while b"response.output_text.delta" not in seen:

@@ -29,6 +29,7 @@ from lucebox.bench.http_client import (
     request_json,
     stream_sse,
 )
+from lucebox.data import DATA_DIR
 from lucebox.errors import LuceboxError
 from lucebox.http.sse import encode_comment, encode_event
 
@@ -208,7 +209,7 @@ def test_documents_from_jsonl_prompts(tmp_path):
 
 
 def test_prompts_are_distinct_and_near_the_target_length(live_server):
-    docs, _ = serve.load_documents(serve.DEFAULT_DATA_DIR)
+    docs, _ = serve.load_documents(DATA_DIR)
     builder = serve.PromptBuilder(live_server.url, docs, {})
 
     async def go() -> tuple[list[str], list[int]]:

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from lucebox import procs
 from lucebox.cache.disk import HEADER_SIZE, DiskStore
 from lucebox.cache.snapshots import token_key
 
@@ -44,6 +45,24 @@ def test_round_trip_is_bit_exact(tmp_path, dtype):
     s = store.stats()
     assert (s.entries, s.hits, s.misses, s.written) == (1, 1, 1, 1)
     assert s.bytes == os.path.getsize(store.dir / f"{key}.t1.kv")
+
+
+def test_drafter_kv_round_trips_next_to_the_kv(tmp_path):
+    """With a DFlash drafter on, an entry also holds the drafter's context KV (a third tensor, whose
+    table entry moves the token ids to offset 1024); both come back bit-exact after a restart."""
+    store = DiskStore(tmp_path, LAYOUT, 1 << 30)
+    key, tokens, kv = entry(37)
+    draft = torch.randn(2, 2, 37, 3, 8)
+    assert store.put(2, key, tokens, kv, draft)
+    key1, tokens1, kv1 = entry(20, seed=1)
+    assert store.put(1, key1, tokens1, kv1)  # and one without, in the same folder
+    store = DiskStore(tmp_path, LAYOUT, 1 << 30)
+    got = store.get(2, key)
+    assert got.tokens.tolist() == tokens and torch.equal(got.kv, kv) and torch.equal(got.draft_kv, draft)
+    assert store.get(1, key1).draft_kv is None
+    assert store.stats().corrupt_removed == 0
+    with pytest.raises(ValueError, match="drafter KV"):
+        store.put(2, "f" * 40, tokens, kv, draft[:, :, :5])
 
 
 def test_kv_is_memory_mapped_not_read_into_ram(tmp_path):
@@ -165,7 +184,7 @@ WRITER = textwrap.dedent("""
 
 
 def test_a_writer_killed_mid_write_leaves_no_entry(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path), LAYOUT], stdout=subprocess.PIPE, text=True)
+    proc = procs.spawn([sys.executable, "-c", WRITER, str(tmp_path), LAYOUT], stdout=subprocess.PIPE, text=True)
     folder = tmp_path / LAYOUT
     try:
         assert proc.stdout.readline().strip() == "ready"

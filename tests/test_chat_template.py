@@ -114,8 +114,8 @@ def test_smollm2_from_gguf_matches_transformers(smollm2_template: str) -> None:
     template = resolve_chat_template(gguf_template=smollm2_template, bos_token="<|im_start|>",
                                      eos_token="<|im_end|>")
     assert template.origin == "gguf"
-    for chat in (PLAIN_CHAT, TOOL_CHAT):
-        assert template.render(chat, tools=TOOLS) == hf(smollm2_template, chat, "smollm2", tools=TOOLS)
+    for chat in (PLAIN_CHAT, TOOL_CHAT):  # with tools, they are injected (tests/test_tool_injection.py)
+        assert template.render(chat) == hf(smollm2_template, chat, "smollm2")
     # Its default system prompt appears when the conversation has none.
     got = template.render(PLAIN_CHAT[1:])
     assert got == hf(smollm2_template, PLAIN_CHAT[1:], "smollm2")
@@ -123,11 +123,12 @@ def test_smollm2_from_gguf_matches_transformers(smollm2_template: str) -> None:
 
 
 def test_gemma3_refuses_tool_role_like_transformers() -> None:
+    """Without tools declared; with them, the tool turns are injected as text (tests/test_tool_injection.py)."""
     src = source("gemma3")
     with pytest.raises(Exception) as ref:
-        hf(src, TOOL_CHAT, "gemma3", tools=TOOLS)
+        hf(src, TOOL_CHAT, "gemma3")
     with pytest.raises(TemplateError) as err:
-        ours(src, TOOL_CHAT, "gemma3", tools=TOOLS)
+        ours(src, TOOL_CHAT, "gemma3")
     assert str(ref.value) in str(err.value)
     assert "gemma3" in str(err.value)
 
@@ -236,12 +237,12 @@ def test_generation_block_renders_its_body_like_transformers() -> None:
 
 
 def test_variables_seen_by_the_template() -> None:
-    src = ("{{ tools is none }}|{{ enable_thinking is defined }}|{{ bos_token }}{{ eos_token }}|{{ custom }}"
-           "|{{ add_generation_prompt }}")
+    src = ("{{ tools is none }}{{ tools[0].function.name if tools }}|{{ enable_thinking is defined }}|"
+           "{{ bos_token }}{{ eos_token }}|{{ custom }}|{{ add_generation_prompt }}")
     t = ChatTemplate(src, bos_token="<s>", eos_token="</s>")
     assert t.render([]) == "True|False|<s></s>||True"
     assert t.render([], tools=TOOLS, enable_thinking=False, custom="x", add_generation_prompt=False) == \
-        "False|True|<s></s>|x|False"
+        "Falseget_weather|True|<s></s>|x|False"
     assert t.render([]) == hf(src, [], bos_token="<s>", eos_token="</s>")
 
 

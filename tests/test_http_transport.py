@@ -25,6 +25,7 @@ from pathlib import Path
 import orjson
 import pytest
 
+from lucebox import procs
 from lucebox.errors import LuceboxError
 from lucebox.http import HttpError, HttpServer, Request, Response, Router, encode_comment, encode_event, error_body, run
 
@@ -142,7 +143,9 @@ async def request(server: HttpServer, method: str, target: str, body: bytes = b"
 
 
 def http_bytes(method: str, target: str, body: bytes = b"", headers: dict[str, str] | None = None) -> bytes:
-    lines = [f"{method} {target} HTTP/1.1", "Host: test"]
+    lines = [f"{method} {target} HTTP/1.1", "Host: localhost"]
+    if body and not any(k.lower() == "content-type" for k in headers or {}):
+        lines.append("Content-Type: application/json")  # what every JSON client sends (security.py requires it)
     lines += [f"{k}: {v}" for k, v in (headers or {}).items()]
     if body or method == "POST":
         lines.append(f"Content-Length: {len(body)}")
@@ -199,7 +202,8 @@ def test_chunked_request_body(arun):
     async def main():
         async with HttpServer(make_router(), port=0) as server:
             client = await Raw.connect(server)
-            await client.send(b"POST /echo HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n")
+            await client.send(b"POST /echo HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                              b"Transfer-Encoding: chunked\r\n\r\n")
             for piece in (b"hello ", b"chunked ", b"world"):
                 await client.send(b"%x\r\n%s\r\n" % (len(piece), piece))
                 await asyncio.sleep(0.02)
@@ -216,7 +220,8 @@ def test_expect_100_continue(arun):
     async def main():
         async with HttpServer(make_router(), port=0) as server:
             client = await Raw.connect(server)
-            await client.send(b"POST /echo HTTP/1.1\r\nHost: t\r\nContent-Length: 5\r\nExpect: 100-continue\r\n\r\n")
+            await client.send(b"POST /echo HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                              b"Content-Length: 5\r\nExpect: 100-continue\r\n\r\n")
             interim = await client.response()
             await client.send(b"12345")
             final = await client.response()
@@ -308,13 +313,14 @@ def test_body_too_large_413(arun):
         async with HttpServer(make_router(), port=0, max_body=1000) as server:
             # declared too large: answered before the body is sent
             client = await Raw.connect(server)
-            await client.send(b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Length: 5000\r\n\r\n")
+            await client.send(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Length: 5000\r\n\r\n")
             declared = await client.response()
             assert await client.at_eof()
             client.close()
             # chunked, grows past the limit while it is read; Anthropic path -> Anthropic shape
             client = await Raw.connect(server)
-            await client.send(b"POST /v1/messages?beta=true HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n")
+            await client.send(b"POST /v1/messages?beta=true HTTP/1.1\r\nHost: localhost\r\n"
+                              b"Transfer-Encoding: chunked\r\n\r\n")
             for _ in range(3):
                 await client.send(b"200\r\n" + b"x" * 0x200 + b"\r\n")
             chunked = await client.response()
@@ -339,7 +345,7 @@ def test_413_reaches_a_client_that_keeps_uploading(arun):
         async with HttpServer(make_router(), port=0, max_body=1000) as server:
             client = await Raw.connect(server)
             size = 8 << 20
-            client.writer.write(b"POST /echo HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n\r\n" % size)
+            client.writer.write(b"POST /echo HTTP/1.1\r\nHost: localhost\r\nContent-Length: %d\r\n\r\n" % size)
 
             async def upload():
                 try:
@@ -370,7 +376,7 @@ def test_header_too_large_431(arun):
             client.close()
             # a head that never ends, growing past the limit
             client = await Raw.connect(server)
-            await client.send(b"GET /hello HTTP/1.1\r\nHost: t\r\n")
+            await client.send(b"GET /hello HTTP/1.1\r\nHost: localhost\r\n")
             for i in range(20):
                 await client.send(b"X-H%d: %s\r\n" % (i, b"b" * 1000))
             endless = await client.response()
@@ -389,7 +395,7 @@ def test_slow_headers_408_and_silent_idle_close(arun):
         async with HttpServer(make_router(), port=0, header_timeout=0.3) as server:
             client = await Raw.connect(server)
             t0 = time.monotonic()
-            await client.send(b"GET /hello HTTP/1.1\r\nHost: t\r\n")  # never finishes the head
+            await client.send(b"GET /hello HTTP/1.1\r\nHost: localhost\r\n")  # never finishes the head
             reply = await client.response()
             elapsed = time.monotonic() - t0
             assert await client.at_eof()
@@ -405,8 +411,9 @@ def test_slow_headers_408_and_silent_idle_close(arun):
     arun(main())
 
 
-@pytest.mark.parametrize("garbage", [b"GARBAGE\r\n\r\n", b"GET /hello HTTP/1.1\r\nHost: t\r\nBad Header\r\n\r\n",
-                                     b"POST /echo HTTP/1.1\r\nHost: t\r\nContent-Length: nope\r\n\r\n"])
+@pytest.mark.parametrize("garbage", [b"GARBAGE\r\n\r\n",
+                                     b"GET /hello HTTP/1.1\r\nHost: localhost\r\nBad Header\r\n\r\n",
+                                     b"POST /echo HTTP/1.1\r\nHost: localhost\r\nContent-Length: nope\r\n\r\n"])
 def test_malformed_request_400(arun, garbage):
     async def main():
         async with HttpServer(make_router(), port=0) as server:
@@ -445,34 +452,39 @@ def test_404_405_and_query_ignored_for_routing(arun):
 
 
 def test_options_preflight_and_cors_headers(arun):
+    origin = {"Origin": "http://localhost:3000"}
     async def main():
         async with HttpServer(make_router(), port=0, api_key="k") as server:
             pre = await request(server, "OPTIONS", "/v1/chat/completions",
-                                headers={"Origin": "http://x", "Access-Control-Request-Method": "POST",
+                                headers={**origin, "Access-Control-Request-Method": "POST",
                                          "Access-Control-Request-Headers": "authorization, content-type"})
-            anywhere = await request(server, "OPTIONS", "/not/a/route")
-            get = await request(server, "GET", "/health")
-            missing = await request(server, "GET", "/nope", headers={"x-api-key": "k"})
+            anywhere = await request(server, "OPTIONS", "/not/a/route", headers=origin)
+            no_origin = await request(server, "OPTIONS", "/v1/chat/completions")
+            get = await request(server, "GET", "/health", headers=origin)
+            missing = await request(server, "GET", "/nope", headers={"x-api-key": "k", **origin})
+            plain = await request(server, "GET", "/health")
         for reply in (pre, anywhere):
             assert reply.status == 204 and reply.body == b"" and "content-length" not in reply.headers
-            assert reply.headers["access-control-allow-origin"] == "*"
+            assert reply.headers["access-control-allow-origin"] == "http://localhost:3000"
             assert reply.headers["access-control-allow-methods"] == "GET, POST, OPTIONS"
         assert pre.headers["access-control-allow-headers"].startswith("*")
         assert "authorization" in pre.headers["access-control-allow-headers"]
-        for reply in (get, missing):  # every response, errors included
-            assert reply.headers["access-control-allow-origin"] == "*"
-            assert reply.headers["access-control-allow-headers"] == "*"
-            assert reply.headers["access-control-allow-methods"] == "GET, POST, OPTIONS"
+        assert no_origin.status == 204 and not [h for h in no_origin.headers if h.startswith("access-control-")]
+        for reply in (get, missing):  # every response to an allowed origin, errors included
+            assert reply.headers["access-control-allow-origin"] == "http://localhost:3000"
+            assert reply.headers["vary"] == "Origin"
+        assert plain.status == 200 and "access-control-allow-origin" not in plain.headers  # no Origin, no CORS
 
     arun(main())
 
 
 def test_no_cors(arun):
     async def main():
+        origin = {"Origin": "http://localhost:3000"}
         async with HttpServer(make_router(), port=0, cors=False) as server:
-            replies = [await request(server, "GET", "/hello"), await request(server, "OPTIONS", "/hello"),
-                       await request(server, "GET", "/nope")]
-        assert [r.status for r in replies] == [200, 204, 404]
+            replies = [await request(server, "GET", "/hello", headers=origin),
+                       await request(server, "OPTIONS", "/hello"), await request(server, "GET", "/nope")]
+        assert [r.status for r in replies] == [403, 204, 404]  # without CORS only same-origin pages get through
         for reply in replies:
             assert not [h for h in reply.headers if h.startswith("access-control-")]
 
@@ -894,14 +906,14 @@ def serve_in_subprocess(
 ) -> tuple[int, bytes, float]:
     """Start `run()` in a child, send one request, signal the child; (exit code, response bytes, seconds to exit)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    with subprocess.Popen([sys.executable, "-c", SERVE_SCRIPT, str(grace)], stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, env=env) as proc:
+    with procs.spawn([sys.executable, "-c", SERVE_SCRIPT, str(grace)], stdout=subprocess.PIPE,
+                     stderr=subprocess.PIPE, env=env) as proc:
         try:
             ready, _, _ = select.select([proc.stdout], [], [], 20)
             assert ready, "server did not start"
             port = int(proc.stdout.readline())
             with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-                sock.sendall(b"GET /slow?s=%f HTTP/1.1\r\nHost: t\r\n\r\n" % request_seconds)
+                sock.sendall(b"GET /slow?s=%f HTTP/1.1\r\nHost: localhost\r\n\r\n" % request_seconds)
                 time.sleep(0.15)
                 t0 = time.monotonic()
                 for sig in signals:

@@ -1,6 +1,6 @@
 """Model cards: the repo's cards, lookup for the real GGUFs, precedence, bad cards, effort tiers.
 
-The tier numbers are the Qwen3.6-27B example of shared/spec/MODEL_CARDS.md
+The tier numbers are the Qwen3.6-27B example of docs/spec/MODEL_CARDS.md
 (tiers low 4032, medium 16128, high 32256, x-high 56832, max 81408 for
 max_tokens 32768 and complex_problem_max_tokens 81920). Those tiers come from
 think = max_tokens - reply budget with the C++ server's 512-token reply budget

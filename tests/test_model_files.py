@@ -5,11 +5,13 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
 import pytest
 
+from lucebox import procs
 from lucebox.engine.gguf_file import GGUFFile
 from lucebox.engine.loader import load_model, read_model_config
 from lucebox.errors import ModelFileError
@@ -154,8 +156,8 @@ def run_cli(*args: str, env_home: Path | None = None) -> subprocess.CompletedPro
     env = dict(os.environ)
     if env_home is not None:
         env["LUCEBOX_HOME"] = str(env_home)
-    return subprocess.run([sys.executable, "-m", "lucebox", *args], capture_output=True, text=True, cwd=ROOT,
-                          env=env, timeout=300)
+    return procs.run([sys.executable, "-m", "lucebox", *args], capture_output=True, text=True, cwd=ROOT,
+                     env=env, timeout=300)
 
 
 @pytest.mark.parametrize("make", ["truncated", "garbage", "missing", "bert_folder"])
@@ -204,3 +206,126 @@ def test_cli_generate_matches_transformers_greedy(smollm2_path):
 def test_cli_rejects_bad_messages_json(smollm2_path):
     done = run_cli("generate", "--messages", "[{not json", env_home=smollm2_path.parent.parent)
     assert done.returncode == 2 and "not valid JSON" in done.stderr and "Traceback" not in done.stderr
+
+
+# ---------------------------------------------------------------------------
+# Malformed metadata: one line naming the key and its value, checked before anything is allocated
+
+
+def rewrite_gguf(src: Path, dst: Path, changes: dict[str, Any]) -> Path:
+    """A copy of the F32 GGUF `src` with metadata keys set (typed as given) or, for value DROP, removed."""
+    f = GGUFFile(src)
+    w = gguf.GGUFWriter(dst, f.fields["general.architecture"])  # writes general.architecture itself
+    for key, value in {**f.fields, **changes}.items():
+        if key != "general.architecture" and value is not DROP:
+            _add_field(w, key, value, f)
+    for t in f.tensors:
+        w.add_tensor(t.name, np.asarray(t.data).copy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+DROP = object()
+BAD_METADATA = {  # case: (metadata changes, what the one-line error says)
+    "embedding_length_missing": ({"llama.embedding_length": DROP}, "llama.embedding_length is missing"),
+    "embedding_length_string": ({"llama.embedding_length": "64"},
+                                "llama.embedding_length is the text '64', not a whole number"),
+    "block_count_missing": ({"llama.block_count": DROP}, "llama.block_count is missing"),
+    "block_count_0": ({"llama.block_count": 0}, "llama.block_count is 0; it must be from 1 to 1024"),
+    "block_count_2_31": ({"llama.block_count": 2**31}, "llama.block_count is 2147483648; it must be from 1 to"),
+    "head_count_0": ({"llama.attention.head_count": 0}, "llama.attention.head_count is 0; it must be from 1"),
+    "head_count_kv_0": ({"llama.attention.head_count_kv": 0}, "llama.attention.head_count_kv is 0; it must be"),
+    "alignment_list": ({"general.alignment": [1, 2]},
+                       "general.alignment is a list of 2 items; it must be a power of two"),
+    "tokens_number": ({"tokenizer.ggml.tokens": 5}, "tokenizer.ggml.tokens is the number 5, not a list"),
+    "chat_template_number": ({"tokenizer.chat_template": 7}, "tokenizer.chat_template is the number 7, not a"),
+    "rms_eps_string": ({"llama.attention.layer_norm_rms_epsilon": "x"},
+                       "llama.attention.layer_norm_rms_epsilon is the text 'x', not a number"),
+    "rms_eps_0": ({"llama.attention.layer_norm_rms_epsilon": 0.0},
+                  "llama.attention.layer_norm_rms_epsilon is 0.0; it must be above 0"),
+    "kv_heads_not_dividing": ({"llama.attention.head_count_kv": 3}, "attention heads cannot share 3"),
+}
+
+
+@pytest.fixture(scope="module")
+def bad_gguf(tiny_gguf, tmp_path_factory):
+    """Factory: the F32 tiny llama GGUF with one BAD_METADATA case applied (n_tensors_2_63: the header count)."""
+    src = tiny_gguf("llama", "F32")
+    folder = tmp_path_factory.mktemp("bad-gguf")
+
+    def make(case: str) -> Path:
+        if case == "n_tensors_2_63":
+            raw = bytearray(src.read_bytes())
+            raw[8:16] = (2**63).to_bytes(8, "little")
+            return copy_bytes(src, folder / f"{case}.gguf", bytes(raw))
+        return rewrite_gguf(src, folder / f"{case}.gguf", BAD_METADATA[case][0])
+
+    return make
+
+
+@pytest.mark.parametrize("case", [*BAD_METADATA, "n_tensors_2_63"])
+def test_malformed_gguf_metadata_is_one_clear_error(bad_gguf, case: str) -> None:
+    """(`block_count = 2**31` runs here too; the CLI test below runs it under a memory limit, for old code.)"""
+    path = bad_gguf(case)
+    expected = "corrupt GGUF header (it claims" if case == "n_tensors_2_63" else BAD_METADATA[case][1]
+    with pytest.raises(ModelFileError) as err:
+        load_model(path, quiet=True)
+    message = str(err.value)
+    assert message.startswith(f"{path}: ") and expected in message and "\n" not in message, message
+    if case != "chat_template_number":  # the config alone (what `read_model_config` and `props` read) too
+        with pytest.raises(ModelFileError):
+            read_model_config(path)
+
+
+@pytest.mark.parametrize("case", ["block_count_2_31", "alignment_list", "n_tensors_2_63"])
+def test_cli_reports_malformed_metadata_in_one_line_with_exit_2(bad_gguf, case: str) -> None:
+    """Through the CLI, under a 6 GB address-space limit: `block_count = 2**31` exhausted memory."""
+    import resource
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))
+
+    path = bad_gguf(case)
+    done = subprocess.run([sys.executable, "-m", "lucebox", "generate", "--model", str(path), "--prompt", "hi",
+                           "--max-tokens", "2"], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                          preexec_fn=limit)
+    assert done.returncode == 2, done.stderr[-2000:]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"lucebox: error: {path}: "), done.stderr[-2000:]
+
+
+BAD_HF_CONFIG = {  # case: (config.json changes, what the one-line error says)
+    "hidden_size_string": ({"hidden_size": "64"}, "hidden_size is the text '64', not a whole number"),
+    "layers_missing": ({"num_hidden_layers": DROP}, "num_hidden_layers is missing"),
+    "layers_huge": ({"num_hidden_layers": 2**31}, "num_hidden_layers is 2147483648; it must be from 1 to"),
+    "heads_0": ({"num_attention_heads": 0}, "num_attention_heads is 0; it must be from 1"),
+    "kv_heads_0": ({"num_key_value_heads": 0}, "num_key_value_heads is 0; it must be from 1"),
+    "eps_string": ({"rms_norm_eps": "x"}, "rms_norm_eps is the text 'x', not a number"),
+    "vocab_list": ({"vocab_size": [1, 2]}, "vocab_size is a list of 2 items, not a whole number"),
+}
+
+
+@pytest.mark.parametrize("case", [*BAD_HF_CONFIG, "not_an_object"])
+def test_malformed_hf_config_is_one_clear_error(tiny_hf_folder, tmp_path, case: str) -> None:
+    import json
+    import shutil
+
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_hf_folder("llama"), folder)
+    if case == "not_an_object":
+        (folder / "config.json").write_text("[1, 2]")
+        expected = "config.json holds a list of 2 items, not an object"
+    else:
+        changes, expected = BAD_HF_CONFIG[case]
+        raw = json.loads((folder / "config.json").read_text())
+        for key, value in changes.items():
+            raw.pop(key, None)
+            if value is not DROP:
+                raw[key] = value
+        (folder / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ModelFileError) as err:
+        load_model(folder, quiet=True)
+    assert expected in str(err.value) and "\n" not in str(err.value), str(err.value)

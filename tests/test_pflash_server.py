@@ -8,7 +8,6 @@ one pair of servers scored by a tiny GGUF of another tokenizer (`--prefill-draft
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import urllib.request
 from pathlib import Path
@@ -16,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lucebox import cli
+from lucebox import cli, procs
 from lucebox.engine.pflash.service import DEFAULT_THRESHOLD, ScorerParking
 from tests.live_server import start_server
 
@@ -226,8 +225,8 @@ def test_bad_environment_value_names_the_flag(monkeypatch, capsys):
 
 
 def test_bad_flag_in_a_real_process_exits_2_before_loading_anything():
-    done = subprocess.run([sys.executable, "-m", "lucebox", "--prefill-compression", "never", "--prefill-skip-park"],
-                          capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[1])
+    done = procs.run([sys.executable, "-m", "lucebox", "--prefill-compression", "never", "--prefill-skip-park"],
+                     capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[1])
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
         "lucebox: error: --prefill-compression must be one of off, auto, always, got 'never'"]

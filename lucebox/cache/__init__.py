@@ -1,4 +1,4 @@
-"""The tiered prefix cache (spec: shared/spec/PREFIX_CACHE.md): the building blocks and how the engine calls them.
+"""The tiered prefix cache (spec: docs/spec/PREFIX_CACHE.md): the building blocks and how the engine calls them.
 
 Modules (data flows down: the engine calls them, they never call the engine):
 

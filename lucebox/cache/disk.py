@@ -9,9 +9,11 @@ prefix, tier 2: exact prompt; the same SHA-1 can name one entry of each):
                  count, BLAKE2b-256 of the payload, and at [240, 256) a
                  BLAKE2b-128 of the header bytes before it
     offset 256   payload: tensor table (count, then name, dtype, shape, file
-                 offset, byte length of each tensor: "tokens" and "kv")
-    offset 512   token ids, int32
+                 offset, byte length of each tensor: "tokens", "kv" and, when
+                 a DFlash drafter is on, "draft_kv")
+    offset 512   token ids, int32 (at 1024 when the table has a third tensor)
     4 KiB aligned raw KV `[layers, 2, n_kv, kv_heads, head_dim]`, C order
+    4 KiB aligned the drafter's context KV of the same positions (if stored)
 
 Writes go to a temp file in the same folder (`.<name>.<pid>.<rand>.tmp`),
 fsync'd, then renamed over the final name and the folder fsync'd: a crash
@@ -56,7 +58,7 @@ _HEADER = struct.Struct("<8sHHB3x32s40sQQQddQ32s")  # up to the payload checksum
 _HEADER_SUM_AT = 240
 _TABLE_COUNT = struct.Struct("<I4x")
 _TABLE_ENTRY = struct.Struct("<16s16sI4x6QQQ")  # name, dtype, ndim, shape[6], file offset, byte length
-_TOKENS_AT = 512
+_TOKENS_AT = 512  # where the token ids start, unless the table needs more room (then the next 512 multiple)
 _KV_ALIGN = 4096
 _CHUNK = 16 << 20  # bytes per write call
 _TEMP_MAX_AGE = 24 * 3600.0
@@ -102,6 +104,7 @@ class DiskSnapshot:
     key: str
     tokens: np.ndarray  # int32
     kv: torch.Tensor  # [layers, 2, n_kv, kv_heads, head_dim]
+    draft_kv: torch.Tensor | None = None  # [drafter layers, 2, n_kv, heads, head_dim], if stored
 
 
 @dataclass
@@ -118,6 +121,12 @@ class DiskStats:
     dropped: int  # put_async calls refused because the write queue was full
     skipped: int  # entries not written: below min_tokens, or no room under the budget
     write_errors: int
+
+
+def _tokens_at(n_tensors: int) -> int:
+    """File offset of the token ids: after the header and a table of `n_tensors` entries."""
+    table_end = HEADER_SIZE + _TABLE_COUNT.size + n_tensors * _TABLE_ENTRY.size
+    return max(_TOKENS_AT, -(-table_end // 512) * 512)
 
 
 def _pad(b: bytes, n: int) -> bytes:
@@ -293,20 +302,22 @@ class DiskStore:
         if hashlib.blake2b(raw[HEADER_SIZE:], digest_size=32).digest() != payload_sum:
             raise CorruptEntry("payload checksum mismatch")
         tensors = self._read_table(raw)
-        if set(tensors) != {"tokens", "kv"}:
-            raise CorruptEntry(f"tensor table holds {sorted(tensors)}, not tokens and kv")
-        tokens, kv = tensors["tokens"], tensors["kv"]
+        if set(tensors) not in ({"tokens", "kv"}, {"tokens", "kv", "draft_kv"}):
+            raise CorruptEntry(f"tensor table holds {sorted(tensors)}, not tokens and kv (and draft_kv)")
+        tokens, kv, draft_kv = tensors["tokens"], tensors["kv"], tensors.get("draft_kv")
         if tokens.dtype != torch.int32 or tuple(tokens.shape) != (entry.n_tokens,):
             raise CorruptEntry("token table entry does not match the header")
-        if kv.dim() != 5 or kv.shape[1] != 2 or kv.shape[2] != entry.n_kv:
-            raise CorruptEntry(f"KV shape {tuple(kv.shape)} does not match the header")
-        return DiskSnapshot(entry.tier, entry.key, tokens.numpy().copy(), kv)
+        for name, t in (("KV", kv), ("drafter KV", draft_kv)):
+            if t is not None and (t.dim() != 5 or t.shape[1] != 2 or t.shape[2] != entry.n_kv):
+                raise CorruptEntry(f"{name} shape {tuple(t.shape)} does not match the header")
+        return DiskSnapshot(entry.tier, entry.key, tokens.numpy().copy(), kv, draft_kv)
 
     @staticmethod
     def _read_table(raw: np.ndarray) -> dict[str, torch.Tensor]:
         (count,) = _TABLE_COUNT.unpack_from(raw, HEADER_SIZE)
         at = HEADER_SIZE + _TABLE_COUNT.size
-        if count > 8 or at + count * _TABLE_ENTRY.size > _TOKENS_AT:
+        table_end = at + count * _TABLE_ENTRY.size
+        if count > 8 or table_end > len(raw):
             raise CorruptEntry(f"tensor table of {count} entries")
         out = {}
         for i in range(count):
@@ -317,7 +328,7 @@ class DiskStore:
                 raise CorruptEntry(f"tensor {_text(name)!r}: dtype {_text(dtype)!r}, {ndim} dims")
             itemsize = torch.empty((), dtype=torch_dtype).element_size()
             if (int(np.prod(shape, dtype=np.int64)) * itemsize != nbytes or offset % itemsize
-                    or offset < _TOKENS_AT or offset + nbytes > len(raw)):
+                    or offset < max(table_end, _TOKENS_AT) or offset + nbytes > len(raw)):
                 raise CorruptEntry(f"tensor {_text(name)!r} does not fit the file")
             flat = torch.from_numpy(raw[offset:offset + nbytes])
             out[_text(name)] = flat.view(torch_dtype).view(tuple(shape))
@@ -325,12 +336,18 @@ class DiskStore:
 
     # ----- writes ------------------------------------------------------------
 
-    def put(self, tier: int, key: str, tokens: Sequence[int] | np.ndarray, kv: torch.Tensor) -> bool:
-        """Write an entry now (in the calling thread); False if skipped (present, small, no room, error)."""
+    def put(self, tier: int, key: str, tokens: Sequence[int] | np.ndarray, kv: torch.Tensor,
+            draft_kv: torch.Tensor | None = None) -> bool:
+        """Write an entry now (in the calling thread); False if skipped (present, small, no room, error).
+
+        `draft_kv` (a DFlash drafter's context KV of the same positions) is stored after the KV."""
         if tier not in (1, 2) or not _KEY.fullmatch(key):
             raise ValueError(f"a disk entry needs tier 1 or 2 and a SHA-1 hex key, not {tier}, {key!r}")
         if kv.dim() != 5 or kv.shape[1] != 2 or kv.shape[2] > len(tokens):
             raise ValueError(f"KV {tuple(kv.shape)} is not [layers, 2, n <= {len(tokens)}, kv_heads, head_dim]")
+        if draft_kv is not None and (draft_kv.dim() != 5 or draft_kv.shape[1] != 2
+                                     or draft_kv.shape[2] != kv.shape[2]):
+            raise ValueError(f"drafter KV {tuple(draft_kv.shape)} does not cover the KV's {kv.shape[2]} positions")
         with self._write_lock:
             if self.contains(tier, key):
                 return False
@@ -338,13 +355,20 @@ class DiskStore:
                 self._count("skipped")
                 return False
             toks = np.ascontiguousarray(tokens, dtype="<i4")
-            kv_at = -(-(_TOKENS_AT + toks.nbytes) // _KV_ALIGN) * _KV_ALIGN
-            size = kv_at + kv.numel() * kv.element_size()
+            blobs = [("kv", kv.detach().to("cpu").contiguous())]
+            if draft_kv is not None:
+                blobs.append(("draft_kv", draft_kv.detach().to("cpu").contiguous()))
+            tokens_at = _tokens_at(1 + len(blobs))
+            placed, size = [], tokens_at + toks.nbytes
+            for name, t in blobs:
+                at = -(-size // _KV_ALIGN) * _KV_ALIGN
+                placed.append((name, t, at))
+                size = at + t.numel() * t.element_size()
             if not self._make_room(size):
                 self._count("skipped")
                 return False
             try:
-                entry = self._write(tier, key, toks, kv.detach().to("cpu").contiguous(), kv_at, size)
+                entry = self._write(tier, key, toks, tokens_at, placed, size)
             except OSError as e:
                 log.warning("KV cache: could not write %s: %s", self._path(tier, key).name, e)
                 self._count("write_errors")
@@ -371,13 +395,17 @@ class DiskStore:
                 self._n["evicted"] += 1
             return True
 
-    def _write(self, tier: int, key: str, toks: np.ndarray, kv: torch.Tensor, kv_at: int, size: int) -> DiskEntry:
-        dtype = str(kv.dtype).removeprefix("torch.")
-        if dtype not in _DTYPES:
-            raise ValueError(f"KV dtype {kv.dtype} cannot be stored")
-        table = _TABLE_COUNT.pack(2)
-        for name, dt, shape, at, nbytes in (("tokens", "int32", toks.shape, _TOKENS_AT, toks.nbytes),
-                                            ("kv", dtype, tuple(kv.shape), kv_at, size - kv_at)):
+    def _write(self, tier: int, key: str, toks: np.ndarray, tokens_at: int,
+               placed: list[tuple[str, torch.Tensor, int]], size: int) -> DiskEntry:
+        """Write tokens and the `(name, tensor, file offset)` blobs (ascending offsets) to a new entry file."""
+        rows = [("tokens", "int32", toks.shape, tokens_at, toks.nbytes)]
+        for name, t, at in placed:
+            dtype = str(t.dtype).removeprefix("torch.")
+            if dtype not in _DTYPES:
+                raise ValueError(f"KV dtype {t.dtype} cannot be stored")
+            rows.append((name, dtype, tuple(t.shape), at, t.numel() * t.element_size()))
+        table = _TABLE_COUNT.pack(len(rows))
+        for name, dt, shape, at, nbytes in rows:
             dims = list(shape) + [0] * (6 - len(shape))
             table += _TABLE_ENTRY.pack(name.encode(), dt.encode(), len(shape), *dims, at, nbytes)
         final = self._path(tier, key)
@@ -391,15 +419,19 @@ class DiskStore:
                     digest.update(b)
                     f.write(b)
 
-                emit(_pad(table, _TOKENS_AT - HEADER_SIZE))
+                emit(_pad(table, tokens_at - HEADER_SIZE))
                 emit(toks.tobytes())
-                emit(bytes(kv_at - _TOKENS_AT - toks.nbytes))
-                raw = kv.reshape(-1).view(torch.uint8).numpy()
-                for i in range(0, len(raw), _CHUNK):
-                    emit(raw[i:i + _CHUNK])
+                end = tokens_at + toks.nbytes
+                for _, t, at in placed:
+                    emit(bytes(at - end))
+                    raw = t.reshape(-1).view(torch.uint8).numpy()
+                    for i in range(0, len(raw), _CHUNK):
+                        emit(raw[i:i + _CHUNK])
+                    end = at + len(raw)
+                n_kv = placed[0][1].shape[2]
                 now = time.time()
                 f.seek(0)
-                f.write(self._pack_header(tier, key, len(toks), kv.shape[2], size - HEADER_SIZE, now, now, 0,
+                f.write(self._pack_header(tier, key, len(toks), n_kv, size - HEADER_SIZE, now, now, 0,
                                           digest.digest()))
                 f.flush()
                 os.fsync(f.fileno())
@@ -408,7 +440,7 @@ class DiskStore:
             temp.unlink(missing_ok=True)
             raise
         self._fsync_dir()
-        return DiskEntry(tier, key, final, len(toks), kv.shape[2], size, now, now, 0)
+        return DiskEntry(tier, key, final, len(toks), n_kv, size, now, now, 0)
 
     def _pack_header(self, tier: int, key: str, n_tokens: int, n_kv: int, payload: int, created: float,
                      last_used: float, hits: int, payload_sum: bytes) -> bytes:
@@ -446,7 +478,8 @@ class DiskStore:
 
     # ----- the background writer ---------------------------------------------
 
-    def put_async(self, tier: int, key: str, tokens: Sequence[int] | np.ndarray, kv: torch.Tensor) -> bool:
+    def put_async(self, tier: int, key: str, tokens: Sequence[int] | np.ndarray, kv: torch.Tensor,
+                  draft_kv: torch.Tensor | None = None) -> bool:
         """Queue a write for the background thread; never blocks. False if not queued
         (already stored or queued, below min_tokens, or the queue is full).
 
@@ -459,7 +492,7 @@ class DiskStore:
             if (tier, key) in self._index or (tier, key) in self._pending:
                 return False
             self._pending.add((tier, key))
-        if not self._enqueue(("put", tier, key, tokens, kv)):
+        if not self._enqueue(("put", tier, key, tokens, kv, draft_kv)):
             with self._lock:
                 self._pending.discard((tier, key))
             self._count("dropped")
@@ -485,9 +518,9 @@ class DiskStore:
                 if job[0] == "touch":
                     self._touch(job[1])
                 else:
-                    _, tier, key, tokens, kv = job
+                    _, tier, key, tokens, kv, draft_kv = job
                     try:
-                        self.put(tier, key, tokens, kv)
+                        self.put(tier, key, tokens, kv, draft_kv)
                     finally:
                         with self._lock:
                             self._pending.discard((tier, key))

@@ -8,6 +8,13 @@ Tier 0 (GPU blocks) shares KV without copying; tier 1 (turn boundaries) and
 tier 2 (the exact prompt) restore host-RAM snapshots into fresh blocks; the
 disk store persists tiers 1 and 2 across restarts. Request threads and the
 engine thread both touch the RAM pools, so they are used under one lock.
+
+With a DFlash drafter (`draft_kv`), a hit must also give the drafter its context
+for the cached positions. Its context K/V sit in the same blocks as the
+target's (another tensor, same slots), so tier 0 shares them for free; the
+snapshots of tiers 1 and 2 (RAM and disk) store them next to the target's KV
+(+ drafter layers / target layers bytes: 2/30 for the shipped SmolLM2 drafter)
+and a restore writes both. A snapshot without drafter KV is not used then.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ import numpy as np
 from lucebox.cache.disk import DiskStore
 from lucebox.cache.markers import ChatMarkers
 from lucebox.cache.prefix_index import PrefixIndex
-from lucebox.cache.snapshots import SnapshotPool, gather_kv, prefix_keys, scatter_kv, token_key
+from lucebox.cache.snapshots import Snapshot, SnapshotPool, gather_kv, prefix_keys, scatter_kv, token_key
 from lucebox.engine.kv_cache import KVCache, OutOfBlocks
 from lucebox.engine.sequence import Sequence
 
@@ -59,9 +66,11 @@ class TierCounters:
 
 
 class PrefixCache:
-    def __init__(self, cfg: CacheConfig, kv: KVCache, markers: ChatMarkers | None, layout: str | None) -> None:
+    def __init__(self, cfg: CacheConfig, kv: KVCache, markers: ChatMarkers | None, layout: str | None,
+                 draft_kv: KVCache | None = None) -> None:
         self.cfg = cfg
         self.kv = kv
+        self.draft_kv = draft_kv  # a DFlash drafter's context KV, in the same blocks as `kv`
         self.markers = markers
         self.index = PrefixIndex(kv.pool, kv.block_size) if cfg.gpu else None
         self.prefix = SnapshotPool(cfg.prefix_slots, "prefix", max_bytes=cfg.ram_bytes) \
@@ -96,7 +105,7 @@ class PrefixCache:
             snap = self.disk.get(2, hint.exact_key)
             if snap is not None and np.array_equal(snap.tokens, np.asarray(prompt_ids, dtype=np.int32)):
                 with self._lock:
-                    self.exact.put(hint.exact_key, snap.tokens, snap.kv.clone())
+                    self._put(self.exact, hint.exact_key, snap)
                 return
         if self.prefix is None:
             return
@@ -109,7 +118,7 @@ class PrefixCache:
                 snap = self.disk.get(1, key)
                 if snap is not None and np.array_equal(snap.tokens, np.asarray(prompt_ids[:end], dtype=np.int32)):
                     with self._lock:
-                        self.prefix.put(key, snap.tokens, snap.kv.clone())
+                        self._put(self.prefix, key, snap)
                     return
 
     def exact_tokens(self, key: str) -> list[int] | None:
@@ -128,8 +137,14 @@ class PrefixCache:
         if snap is None:
             return None
         with self._lock:
-            self.exact.put(key, snap.tokens, snap.kv.clone())
+            self._put(self.exact, key, snap)
         return snap.tokens.tolist()
+
+    @staticmethod
+    def _put(pool: SnapshotPool, key: str, snap: Any) -> None:
+        """Promote a disk snapshot into a RAM pool (copies: the disk one is a mapped file)."""
+        draft = snap.draft_kv.clone() if snap.draft_kv is not None else None
+        pool.put(key, snap.tokens, snap.kv.clone(), draft)
 
     # ----- engine thread ------------------------------------------------------
 
@@ -148,16 +163,24 @@ class PrefixCache:
             snap, end, tier = self._find_snapshot(seq.prompt_ids, hint)
             if snap is not None and end > cached and self._grow(seq, end):
                 scatter_kv(self.kv, seq.block_table, snap.kv, start=cached, end=end)
+                if self.draft_kv is not None:
+                    scatter_kv(self.draft_kv, seq.block_table, snap.draft_kv, start=cached, end=end)
                 self.counters[tier].restored_tokens += end - cached
                 cached = end
         seq.num_cached = seq.num_computed = cached
+        if self.draft_kv is not None:
+            seq.draft_len = cached
+
+    def _usable(self, snap: Snapshot | None) -> bool:
+        """A snapshot restores only with everything the engine needs (the drafter's context too, when on)."""
+        return snap is not None and (self.draft_kv is None or snap.draft_kv is not None)
 
     def _find_snapshot(self, prompt: list[int], hint: CacheHint) -> tuple[Any, int, str]:
         """Tier 2 wins over tier 1; returns (snapshot, positions it covers, tier)."""
         with self._lock:
             if self.exact is not None:
                 snap = self.exact.get(hint.exact_key)
-                if snap is not None and len(snap.tokens) == len(prompt) and np.array_equal(
+                if self._usable(snap) and len(snap.tokens) == len(prompt) and np.array_equal(
                         snap.tokens, np.asarray(prompt, dtype=np.int32)):
                     self.counters["exact"].hits += 1
                     return snap, len(prompt) - 1, "exact"
@@ -165,7 +188,7 @@ class PrefixCache:
             if self.prefix is not None and hint.keys:
                 ends = sorted(hint.keys)
                 found = self.prefix.longest_prefix(prompt, ends, [hint.keys[e] for e in ends])
-                if found is not None:
+                if found is not None and self._usable(found[1]):
                     end, snap = found
                     self.counters["prefix"].hits += 1
                     return snap, min(end, len(prompt) - 1), "prefix"
@@ -199,10 +222,21 @@ class PrefixCache:
         """Blocks the index keeps alive beyond any sequence."""
         return self.index.num_held_alone() if self.index is not None else 0
 
+    def _valid(self, seq: Sequence) -> int:
+        """Positions of the sequence whose KV (and drafter context, when on) is complete."""
+        n = min(seq.num_computed, len(seq.token_ids))
+        return min(n, seq.draft_len) if self.draft_kv is not None else n
+
+    def _gather(self, seq: Sequence, n: int) -> tuple[Any, Any]:
+        """Host copies of positions [0, n): the target's KV and the drafter's (or None)."""
+        draft = gather_kv(self.draft_kv, seq.block_table, n) if self.draft_kv is not None else None
+        return gather_kv(self.kv, seq.block_table, n), draft
+
     def index_prefix(self, seq: Sequence) -> None:
         """Tier 0 only (a preempted sequence): keep its computed blocks findable."""
-        if self.index is not None and seq.num_computed:
-            self.index.insert(seq.token_ids[: seq.num_computed], seq.block_table)
+        valid = self._valid(seq)
+        if self.index is not None and valid:
+            self.index.insert(seq.token_ids[:valid], seq.block_table)
 
     def commit(self, seq: Sequence) -> None:
         """A request finished well (it produced tokens, the client stayed): remember its prefix."""
@@ -211,7 +245,7 @@ class PrefixCache:
         if hint is None:
             return
         prompt = seq.prompt_ids
-        computed = min(seq.num_computed, len(seq.token_ids))
+        computed = self._valid(seq)
         if self.prefix is not None and len(hint.bounds) >= 2:
             b = hint.bounds[-2]  # everything before the newest turn's content
             key = hint.keys.get(b)
@@ -219,21 +253,21 @@ class PrefixCache:
                 with self._lock:
                     fresh = key not in self.prefix
                 if fresh:
-                    snap_kv = gather_kv(self.kv, seq.block_table, b)
+                    snap_kv, draft_kv = self._gather(seq, b)
                     with self._lock:
-                        self.prefix.put(key, prompt[:b], snap_kv)
+                        self.prefix.put(key, prompt[:b], snap_kv, draft_kv)
                     if self.disk is not None:
-                        self.disk.put_async(1, key, prompt[:b], snap_kv)
+                        self.disk.put_async(1, key, prompt[:b], snap_kv, draft_kv)
         n = len(prompt) - 1
         if self.exact is not None and self.cfg.min_tokens <= n <= computed:
             with self._lock:
                 fresh = hint.exact_key not in self.exact
             if fresh:
-                snap_kv = gather_kv(self.kv, seq.block_table, n)
+                snap_kv, draft_kv = self._gather(seq, n)
                 with self._lock:
-                    self.exact.put(hint.exact_key, prompt, snap_kv)
+                    self.exact.put(hint.exact_key, prompt, snap_kv, draft_kv)
                 if self.disk is not None:
-                    self.disk.put_async(2, hint.exact_key, prompt, snap_kv)
+                    self.disk.put_async(2, hint.exact_key, prompt, snap_kv, draft_kv)
 
     # ----- admin and stats ----------------------------------------------------
 

@@ -132,6 +132,7 @@ class Snapshot:
     last_used: float
     hits: int = 0
     _order: int = 0  # recency for eviction (a counter: wall-clock times can tie)
+    draft_kv: torch.Tensor | None = None  # the DFlash drafter's context KV of the same positions, if any
 
     @property
     def n_kv(self) -> int:
@@ -139,7 +140,8 @@ class Snapshot:
 
     @property
     def nbytes(self) -> int:
-        return self.kv.numel() * self.kv.element_size() + self.tokens.nbytes
+        extra = self.draft_kv.numel() * self.draft_kv.element_size() if self.draft_kv is not None else 0
+        return self.kv.numel() * self.kv.element_size() + self.tokens.nbytes + extra
 
 
 @dataclass
@@ -218,16 +220,23 @@ class SnapshotPool:
         self._misses += 1
         return None
 
-    def put(self, key: str, tokens: Sequence[int] | np.ndarray, kv: torch.Tensor) -> Snapshot | None:
+    def put(self, key: str, tokens: Sequence[int] | np.ndarray, kv: torch.Tensor,
+            draft_kv: torch.Tensor | None = None) -> Snapshot | None:
         """Store a snapshot (replacing one under the same key), evicting by the tier's rule.
 
         A CPU tensor that is contiguous (and pinned, when this pool pins) is kept as
         is, not copied: the caller must not write into it afterwards (`gather_kv`'s
-        result is such a tensor). Returns None if it cannot fit `max_bytes` at all.
+        result is such a tensor). `draft_kv` is a DFlash drafter's context KV of the
+        same positions (restored with the target's, so speculation works on a hit).
+        Returns None if it cannot fit `max_bytes` at all.
         """
         kv = self._host_copy(kv)
+        if draft_kv is not None:
+            draft_kv = self._host_copy(draft_kv)
+            if draft_kv.shape[2] != kv.shape[2]:
+                raise ValueError(f"drafter KV of {draft_kv.shape[2]} positions for target KV of {kv.shape[2]}")
         now = time.time()
-        entry = Snapshot(key, np.array(tokens, dtype=np.int32), kv, now, now)
+        entry = Snapshot(key, np.array(tokens, dtype=np.int32), kv, now, now, draft_kv=draft_kv)
         if self.max_bytes is not None and entry.nbytes > self.max_bytes:
             return None
         self._entries.pop(key, None)

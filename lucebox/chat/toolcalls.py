@@ -152,15 +152,23 @@ def normalize_tools(tools: list[dict]) -> dict[str, dict]:
     return out
 
 
-def _schema_types(schema: Any) -> set[str]:
-    """The JSON types a schema admits (type, type lists, anyOf/oneOf, enum); empty if unknown."""
-    if not isinstance(schema, dict):
+_SCHEMA_DEPTH = 32
+"""anyOf/oneOf nesting followed when reading a schema's types; deeper alternatives count as unknown."""
+
+
+def _schema_types(schema: Any, depth: int = 0) -> set[str]:
+    """The JSON types a schema admits (type, type lists, anyOf/oneOf, enum); empty if unknown.
+
+    The schema is the client's JSON, any shape: members of the wrong type are ignored, never an error.
+    """
+    if not isinstance(schema, dict) or depth > _SCHEMA_DEPTH:
         return set()
     t = schema.get("type")
     types = {t} if isinstance(t, str) else {x for x in t if isinstance(x, str)} if isinstance(t, list) else set()
     for key in ("anyOf", "oneOf"):
-        for sub in schema.get(key) or []:
-            types |= _schema_types(sub)
+        subs = schema.get(key)
+        for sub in subs if isinstance(subs, list) else []:
+            types |= _schema_types(sub, depth + 1)
     if not types and isinstance(schema.get("enum"), list):
         for v in schema["enum"]:
             types.add("string" if isinstance(v, str) else "boolean" if isinstance(v, bool)
@@ -183,7 +191,7 @@ def _is_plain_string(schema: dict | None) -> bool:
 def _best_effort(raw: str) -> Any:
     try:
         return json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested past what the parser follows: keep the text
         return raw
 
 
@@ -902,7 +910,10 @@ def _gemma_value_end(raw: str, j: int) -> int | None:
 
 def _gemma_parse(text: str) -> Any:
     """Parse one complete Gemma value: an escaped string, {k:v,…}, […] or a bare token."""
-    return _gemma_parse_at(text.strip(), 0)[0]
+    try:
+        return _gemma_parse_at(text.strip(), 0)[0]
+    except RecursionError as e:  # the model nested deeper than the parser follows: not a call
+        raise _Fail from e
 
 
 def _gemma_parse_at(s: str, i: int) -> tuple[Any, int]:

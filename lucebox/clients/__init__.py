@@ -124,6 +124,31 @@ def http_json(url: str, body: dict | None = None, api_key: str | None = None, ti
         raise ClientError(f"{url}: the answer is not JSON") from None
 
 
+# Where a client finds the server when --url is not given: the variables the README has users export,
+# Anthropic's first for Claude Code (it reads ANTHROPIC_BASE_URL itself), OpenAI's first for everything else.
+SERVER_ENV = {"openai": (("OPENAI_BASE_URL", "OPENAI_API_KEY"), ("ANTHROPIC_BASE_URL", "ANTHROPIC_API_KEY")),
+              "anthropic": (("ANTHROPIC_BASE_URL", "ANTHROPIC_API_KEY"), ("OPENAI_BASE_URL", "OPENAI_API_KEY"))}
+
+
+def server_from_env(url: str | None, api_key: str | None, prefer: str = "openai",
+                    env: dict[str, str] | None = None) -> tuple[str, str | None]:
+    """(server URL without /v1, key): `url`, else $OPENAI_BASE_URL / $ANTHROPIC_BASE_URL, else DEFAULT_URL.
+
+    The key is `api_key`, else $LUCEBOX_API_KEY, else the key variable exported beside the URL variable used.
+    """
+    env = os.environ if env is None else env
+    key = api_key or env.get("LUCEBOX_API_KEY") or None
+    if not url:
+        for url_var, key_var in SERVER_ENV[prefer]:
+            if env.get(url_var):
+                url, key = env[url_var], key or env.get(key_var) or None
+                if not url.startswith(("http://", "https://")):
+                    raise ClientError(f"${url_var}={url!r} is not an http:// or https:// URL")
+                break
+    url = (url or DEFAULT_URL).rstrip("/")
+    return (url[:-3] if url.endswith("/v1") else url), key
+
+
 def discover(url: str, api_key: str | None = None, home: Path | None = None, name: str = "",
              lean: bool | None = None) -> Target:
     """Ask the server for its model (`/v1/models`) and build the Target a client is configured with."""

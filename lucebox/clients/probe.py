@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
-import os
 import re
 import sys
 import time
@@ -25,7 +24,7 @@ import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from lucebox.clients import DUMMY_KEY
+from lucebox.clients import DUMMY_KEY, server_from_env
 
 
 class ProbeFailure(AssertionError):
@@ -516,14 +515,15 @@ def table(results: list[Result]) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    api_key = getattr(args, "api_key", None) or os.environ.get("LUCEBOX_API_KEY") or DUMMY_KEY
+    url, api_key = server_from_env(getattr(args, "url", None), getattr(args, "api_key", None))
+    api_key = api_key or DUMMY_KEY
     only = [s.strip() for s in args.only.split(",")] if getattr(args, "only", None) else None
     if only:
         unknown = set(only) - {c.name for c in CHECKS}
         if unknown:
             from lucebox.errors import LuceboxError
             raise LuceboxError(f"--only: unknown checks {sorted(unknown)}; known: {[c.name for c in CHECKS]}")
-    results = run_checks(args.url, api_key, only)
+    results = run_checks(url, api_key, only)
     print(table(results))
     failed = [r.check.name for r in results if not r.ok]
     print(f"{len(results) - len(failed)} passed, {len(failed)} failed" + (f": {', '.join(failed)}" if failed else ""),

@@ -18,12 +18,11 @@ settings (smaller prompts and tool sets; `--full` keeps the defaults).
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import sys
 from pathlib import Path
 
-from lucebox.clients import DEFAULT_URL, Launch, Target, client_module, discover
+from lucebox.clients import DEFAULT_URL, Launch, Target, client_module, discover, server_from_env
 from lucebox.clients.install import executable
 
 
@@ -37,12 +36,10 @@ def prepare(name: str, url: str = DEFAULT_URL, args: list[str] | None = None, ap
 
 
 def main(args: argparse.Namespace) -> int:
-    extra = list(args.args or [])
-    if extra and extra[0] == "--":
-        extra = extra[1:]
-    api_key = args.api_key or os.environ.get("LUCEBOX_API_KEY")
+    extra = list(args.args or [])  # the client's arguments, verbatim (cli.split_passthrough)
+    url, api_key = server_from_env(args.url, args.api_key, "anthropic" if args.name == "claude" else "openai")
     lean = False if args.full else None
-    target, launch = prepare(args.name, args.url, extra, api_key, Path(args.home) if args.home else None, lean)
+    target, launch = prepare(args.name, url, extra, api_key, Path(args.home) if args.home else None, lean)
     print(f"clients: {args.name} -> {target.url} (model {target.model}, context {target.context_length})",
           file=sys.stderr)
     for note in launch.notes:

@@ -164,6 +164,14 @@ class AsyncEngine:
         if gen.finish_reason is None:
             self._command("abort", gen, reason)
 
+    def cancel_all(self, reason: str = "cancelled") -> int:
+        """End every generation in flight (the server shuts down); each request then renders how it ended."""
+        with self._lock:
+            gens = list(self._active.values())
+        for gen in gens:
+            self.cancel(gen, reason)
+        return len(gens)
+
     def force_tokens(self, gen: Generation, token_ids: list[int]) -> None:
         """Replace the next sampled token with these (a forced `</think>`, say)."""
         self._command("force", gen, list(token_ids))
@@ -220,7 +228,7 @@ class AsyncEngine:
                     self.engine.scheduler.add(gen.seq)
             elif op == "abort":
                 if not gen.seq.is_finished:
-                    self.engine.abort(gen.seq)
+                    self.engine.abort(gen.seq, arg)  # "stop": the API ended a complete answer, cache it
                     gen.seq.finish_reason = arg
                     ended.append((gen, arg))
             elif op == "force" and not gen.seq.is_finished:

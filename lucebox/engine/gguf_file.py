@@ -13,6 +13,7 @@ file) is a `ModelFileError` naming the file and what is wrong.
 
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ from typing import Any
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
+from lucebox.engine.config_check import describe
 from lucebox.errors import ModelFileError
 
 _SCALARS = {
@@ -86,6 +88,10 @@ class GGUFFile:
         version, n_tensors, n_kv = struct.unpack_from("<IQQ", head, 4)
         if version not in (2, 3):
             raise ModelFileError(f"{self.path}: unsupported GGUF version {version}")
+        # A metadata entry takes at least 13 bytes and a tensor entry 24: counts past that are corrupt.
+        if n_kv * 13 + n_tensors * 24 > self.size:
+            raise ModelFileError(f"{self.path}: corrupt GGUF header (it claims {n_kv} metadata entries and "
+                                 f"{n_tensors} tensors, more than a file of {self.size} bytes can hold)")
         # Metadata is small next to the weights; read a growing prefix until it parses.
         want = 1 << 20
         while True:
@@ -97,9 +103,9 @@ class GGUFFile:
                 if want >= self.size:
                     raise
                 want *= 8
-        align = int(self.fields.get("general.alignment", 32))
-        if align <= 0 or align & (align - 1):
-            raise ModelFileError(f"{self.path}: invalid general.alignment {align}")
+        align = self.fields.get("general.alignment", 32)
+        if isinstance(align, bool) or not isinstance(align, int) or align <= 0 or align & (align - 1):
+            raise ModelFileError(f"{self.path}: general.alignment is {describe(align)}; it must be a power of two")
         data_start = -(-pos // align) * align
         for t in self.tensors:
             t.offset += data_start
@@ -120,7 +126,7 @@ class GGUFFile:
         for _ in range(n_tensors):
             name, pos = _read_str(buf, pos)
             n_dims, pos = _read(buf, pos, "<I")
-            if n_dims > 8:
+            if not 1 <= n_dims <= 8:
                 raise ValueError(f"tensor {name} has {n_dims} dimensions")
             shape = struct.unpack_from(f"<{n_dims}Q", buf, pos) if pos + 8 * n_dims <= len(buf) else None
             if shape is None:
@@ -135,7 +141,7 @@ class GGUFFile:
             block, type_size = GGML_QUANT_SIZES[ttype]
             if shape[0] % block:
                 raise ModelFileError(f"{self.path}: tensor {name} row length {shape[0]} is not a multiple of {block}")
-            n_elems = int(np.prod(shape, dtype=np.int64))
+            n_elems = math.prod(shape)  # Python ints: absurd shapes make absurd sizes, refused below, not overflow
             n_bytes = n_elems // block * type_size
             tensors.append(GGUFTensor(name, tuple(int(d) for d in shape), ttype, offset, n_bytes, np.empty(0)))
         self.fields, self.tensors = fields, tensors

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from lucebox.engine.config import ModelConfig, RopeScaling, gemma3_layer_types
+from lucebox.engine.config_check import ConfigValues, check_config, check_float, check_int, describe
 from lucebox.errors import ModelFileError
 
 _MODEL_TYPES = {
@@ -40,57 +41,68 @@ def read_json(path: Path) -> dict[str, Any]:
 
 def hf_config(folder: Path) -> ModelConfig:
     raw = read_json(folder / "config.json")
-    if "text_config" in raw and raw.get("model_type") in ("gemma3",):
+    if not isinstance(raw, dict):
+        raise ModelFileError(f"{folder}/config.json holds {describe(raw)}, not an object")
+    if isinstance(raw.get("text_config"), dict) and raw.get("model_type") in ("gemma3",):
         raw = {**raw["text_config"], "model_type": "gemma3_text"}
     model_type = raw.get("model_type", "")
-    family = _MODEL_TYPES.get(model_type)
+    family = _MODEL_TYPES.get(model_type) if isinstance(model_type, str) else None
     if family is None:
         raise ModelFileError(
             f"{folder}: unsupported architecture {model_type!r} (supported: {', '.join(sorted(_MODEL_TYPES))})"
         )
+    where = f"{folder}/config.json"
+    vals = ConfigValues(where, raw.__getitem__)
+    hidden = vals.whole("hidden_size", "hidden_size")
+    heads = vals.whole("num_attention_heads", "num_heads")
+    n_layers = vals.whole("num_hidden_layers", "num_layers")
+    head_dim = vals.whole("head_dim", "head_dim", max(hidden // heads, 1))
     try:
-        hidden = int(raw["hidden_size"])
-        heads = int(raw["num_attention_heads"])
-        n_layers = int(raw["num_hidden_layers"])
-        head_dim = int(raw.get("head_dim") or hidden // heads)
         rope = _rope_params(raw)
-        cfg = ModelConfig(
-            arch=family,
-            name=str(raw.get("_name_or_path") or folder.name),
-            vocab_size=int(raw["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(raw["intermediate_size"]),
-            num_layers=n_layers,
-            num_heads=heads,
-            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
-            head_dim=head_dim,
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            max_position=int(raw.get("max_position_embeddings", 4096)),
-            rope_theta=rope["full"][0],
-            rope_scaling=rope["full"][1],
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", family == "gemma3")),
-            attention_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
-            qk_norm=family in ("qwen3", "gemma3"),
-        )
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ModelFileError(f"{folder}/config.json: missing or bad field {exc}") from None
+    except (AttributeError, TypeError, ValueError) as exc:
+        raise ModelFileError(f"{where}: bad rope settings ({exc})") from None
+    cfg = ModelConfig(
+        arch=family,
+        name=str(raw.get("_name_or_path") or folder.name),
+        vocab_size=vals.whole("vocab_size", "vocab_size"),
+        hidden_size=hidden,
+        intermediate_size=vals.whole("intermediate_size", "intermediate_size"),
+        num_layers=n_layers,
+        num_heads=heads,
+        num_kv_heads=vals.whole("num_key_value_heads", "num_kv_heads", heads),
+        head_dim=head_dim,
+        rms_norm_eps=vals.real("rms_norm_eps", "rms_norm_eps", 1e-6),
+        max_position=vals.whole("max_position_embeddings", "max_position", 4096),
+        rope_theta=rope["full"][0],
+        rope_scaling=rope["full"][1],
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", family == "gemma3")),
+        attention_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
+        qk_norm=family in ("qwen3", "gemma3"),
+    )
     if model_type == "mistral" and raw.get("sliding_window"):
-        cfg.sliding_window = int(raw["sliding_window"])
+        cfg.sliding_window = vals.whole("sliding_window", "sliding_window")
         cfg.layer_types = ["sliding"] * n_layers
     if family == "gemma3":
-        cfg.sliding_window = int(raw.get("sliding_window") or 512)
+        cfg.sliding_window = vals.whole("sliding_window", "sliding_window", 512)
         types = raw.get("layer_types")
         if types:
+            if not isinstance(types, list):
+                raise ModelFileError(f"{where}: layer_types is {describe(types)}, not a list")
             cfg.layer_types = ["sliding" if t == "sliding_attention" else "full" for t in types]
         else:
-            cfg.layer_types = gemma3_layer_types(n_layers, int(raw.get("sliding_window_pattern") or 6))
+            pattern = check_int(where, "sliding_window_pattern", raw.get("sliding_window_pattern") or 6,
+                                "sliding_window_pattern")
+            cfg.layer_types = gemma3_layer_types(n_layers, pattern)
         cfg.rope_local_theta, cfg.rope_local_scaling = rope["sliding"]
         cfg.hidden_act = "gelu_tanh"
         cfg.embed_scale = hidden**0.5
         cfg.sandwich_norm = True
-        cfg.attn_scale = float(raw.get("query_pre_attn_scalar") or head_dim) ** -0.5
-        cfg.final_logit_softcap = raw.get("final_logit_softcapping")
-    return cfg
+        scalar = raw.get("query_pre_attn_scalar") or head_dim
+        cfg.attn_scale = check_float(where, "query_pre_attn_scalar", scalar, "attn_scale") ** -0.5
+        softcap = raw.get("final_logit_softcapping") or None  # 0: no softcap
+        cfg.final_logit_softcap = None if softcap is None else check_float(where, "final_logit_softcapping",
+                                                                             softcap, "softcap")
+    return check_config(cfg, where)
 
 
 def _rope_params(raw: dict[str, Any]) -> dict[str, tuple[float, RopeScaling]]:

@@ -17,8 +17,8 @@ import torch
 
 from lucebox.engine.kv_cache import KVCache
 from lucebox.engine.loader import LoadedModel, load_model
-from lucebox.engine.model_runner import ModelRunner
-from lucebox.engine.sampler import SampleRow, SamplingParams, TokenLogprobs, make_generator, sample
+from lucebox.engine.model_runner import ModelRunner, is_decode
+from lucebox.engine.sampler import SampleRow, SamplingError, SamplingParams, TokenLogprobs, make_generator, sample
 from lucebox.engine.scheduler import Scheduler
 from lucebox.engine.sequence import Chunk, Sequence
 from lucebox.errors import LuceboxError
@@ -31,6 +31,9 @@ log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
+
+
+WEIGHTS = {"auto": None, "quantized": True, "dense": False}
 
 
 @dataclass
@@ -47,6 +50,7 @@ class EngineConfig:
     ddtree: bool = False  # verify a draft tree instead of a chain
     ddtree_budget: int = 22  # tree nodes per verification
     spec_static: bool | None = None  # fixed-shape (CUDA-graph) speculative steps; None = on CUDA only
+    weights: str = "auto"  # GGUF quant blocks: auto (quantized on CUDA only if dense won't fit) | quantized | dense
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":
@@ -95,6 +99,7 @@ class LLMEngine:
         )
         self.last_step: list[tuple[int, int, int]] = []  # (seq id, start, rows) of the last step, for stats
         self.spec: SpecDecoder | None = None
+        self.draft_path: Path | None = None  # the drafter folder enable_speculation loaded
         self.cache: PrefixCache | None = None
         if self.config.draft:
             self.enable_speculation(Path(self.config.draft), ddtree=self.config.ddtree,
@@ -106,7 +111,10 @@ class LLMEngine:
     def from_path(cls, path: str | Path, config: EngineConfig | None = None, quiet: bool = False) -> LLMEngine:
         config = config or EngineConfig()
         device = config.resolve_device()
-        loaded = load_model(Path(path), device=device, dtype=config.resolve_dtype(device), quiet=quiet)
+        if config.weights not in WEIGHTS:
+            raise LuceboxError(f"--weights is {config.weights}; choose from {', '.join(WEIGHTS)}")
+        loaded = load_model(Path(path), device=device, dtype=config.resolve_dtype(device), quiet=quiet,
+                            quantized=WEIGHTS[config.weights])
         return cls(loaded, config)
 
     def enable_speculation(self, draft: Path, *, ddtree: bool = False, budget: int = 22) -> None:
@@ -116,12 +124,16 @@ class LLMEngine:
 
         drafter = load_drafter(draft, self.model_config, self.device, self.loaded.dtype)
         self.set_speculation(SpecDecoder(drafter, self.loaded.model, self.kv, ddtree=ddtree, budget=budget))
+        self.draft_path = Path(draft)
         log.info("speculative decoding: DFlash drafter %s (%d layers, block %d)%s", draft,
                  drafter.cfg.num_layers, drafter.cfg.block_size, f", DDTree budget {budget}" if ddtree else "")
 
     def enable_prefix_cache(self, cfg: Any, template: Any = None) -> None:
-        """Tiered prefix cache (lucebox.cache): GPU blocks, RAM snapshots, optional disk."""
-        from lucebox.cache.layout import layout_id
+        """Tiered prefix cache (lucebox.cache): GPU blocks, RAM snapshots, optional disk.
+
+        With speculation on (enable it first), cached entries carry the drafter's context KV too,
+        and the disk folder's layout names the drafter, so a hit also restores the drafter's context."""
+        from lucebox.cache.layout import layout_id, model_identity
         from lucebox.cache.manager import PrefixCache
         from lucebox.cache.markers import ChatMarkers, NoChatMarkers
 
@@ -132,10 +144,15 @@ class LLMEngine:
             except NoChatMarkers as exc:
                 log.info("prefix cache: no turn markers in the chat template (%s); turn snapshots off", exc)
         mc = self.model_config
+        extra: dict[str, object] = {}
+        if self.spec is not None:
+            dc = self.spec.drafter.cfg
+            extra["drafter"] = [model_identity(self.draft_path) if self.draft_path is not None else "unnamed",
+                                dc.num_layers, dc.num_kv_heads, dc.head_dim]
         layout = layout_id(model_path=self.loaded.path, kv_dtype=self.kv.data.dtype, block_size=self.kv.block_size,
                            n_ctx=self.n_ctx, template_sha1=template.sha1 if template is not None else "",
-                           num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim)
-        self.cache = PrefixCache(cfg, self.kv, markers, layout)
+                           num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, extra=extra)
+        self.cache = PrefixCache(cfg, self.kv, markers, layout, draft_kv=self.spec.kv if self.spec else None)
         self.scheduler.cache = self.cache
 
     @property
@@ -146,7 +163,10 @@ class LLMEngine:
     def set_speculation(self, spec: SpecDecoder | None) -> None:
         """Switch decoding mode (only between requests: no sequence may be running)."""
         assert not self.has_work(), "switch speculation only when the engine is idle"
+        # Cached entries hold the drafter context of the mode they were made in; switch before caching.
+        assert self.cache is None, "switch speculation before enable_prefix_cache"
         self.spec = spec
+        self.draft_path = None
         self.scheduler.decode_rows = spec.rows_per_step if spec else 1
         self.scheduler.on_release = spec.release if spec else None
         static = self.config.spec_static
@@ -183,44 +203,103 @@ class LLMEngine:
             )
         if self.kv.blocks_for(len(prompt_ids) + 1) > self.kv.pool.num_blocks - 1:
             raise LuceboxError(f"the prompt has {len(prompt_ids)} tokens, more than the KV cache holds")
+        vocab = self.model_config.vocab_size
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+            bad = next(t for t in prompt_ids if not 0 <= t < vocab)
+            raise LuceboxError(f"token id {bad} in the prompt is outside this model's vocabulary (0..{vocab - 1})")
         try:
             params.validate()
         except ValueError as exc:
             raise LuceboxError(str(exc)) from None
         return Sequence(list(prompt_ids), params, generator=make_generator(params.seed, self.device))
 
-    def abort(self, seq: Sequence) -> None:
-        self.scheduler.abort(seq)
+    def abort(self, seq: Sequence, reason: str = "cancelled") -> None:
+        """End `seq` now; with reason "stop" (the answer is complete) its prefix is still cached."""
+        self.scheduler.abort(seq, reason)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
     def step(self) -> list[StepOutput]:
-        """Run one model step; returns the sequences that got a token."""
+        """Run one model step; returns the sequences that got a token or ended.
+
+        A sequence whose rows make the step raise (its sampling parameters, say) ends alone with
+        finish reason "error"; the others get exactly the tokens they would have got without it.
+        """
         chunks = self.scheduler.schedule()
         self.last_step = [(c.seq.seq_id, c.start, c.n) for c in chunks]
         if not chunks:
             return []
         if self.spec is not None:
             return self._spec_step(chunks)
-        sampled, logits, argmax = self.runner.run(chunks)
+        failed: dict[Sequence, Exception] = {}
+        sampled, tokens, logprobs = self._forward_and_sample(chunks, failed)
+        outputs = [self._fail(seq, exc) for seq, exc in failed.items()]
+        n_before = [len(c.seq.token_ids) for c in sampled]
+        finished = set(self.scheduler.postprocess(chunks, sampled, tokens, logprobs))
+        outputs += [StepOutput(c.seq, c.seq.token_ids[n:], c.seq in finished)
+                    for c, n in zip(sampled, n_before) if c.seq not in failed]
+        return outputs
+
+    def _forward_and_sample(self, chunks: list[Chunk], failed: dict[Sequence, Exception]
+                            ) -> tuple[list[Chunk], list[int], list[TokenLogprobs | None]]:
+        """Forward the chunks and pick each sampling chunk's token; returns (sampled chunks, tokens, logprobs).
+
+        Nothing here changes a sequence, so when the batch raises, each chunk is run again alone and
+        one that still raises goes into `failed` (its placeholder token is never used)."""
+        try:
+            sampled, logits, argmax = self.runner.run(chunks)
+        except Exception as exc:  # noqa: BLE001 - isolated below, or reported for the one sequence
+            if len(chunks) == 1:
+                failed[chunks[0].seq] = exc
+                return [], [], []
+            log.warning("a step of %d chunks failed (%s); running them one by one", len(chunks), exc)
+            all_sampled: list[Chunk] = []
+            all_tokens: list[int] = []
+            all_lps: list[TokenLogprobs | None] = []
+            for c in chunks:
+                one, toks, lps = self._forward_and_sample([c], failed)
+                all_sampled += one
+                all_tokens += toks
+                all_lps += lps
+            return all_sampled, all_tokens, all_lps
         rows = [self._row(c) for c in sampled]
         if argmax is not None and all(r.params.greedy and not r.params.has_penalties and r.params.logprobs is None
                                       for r in rows):
-            tokens, logprobs = argmax.tolist(), [None] * len(rows)
-        else:
+            return sampled, argmax.tolist(), [None] * len(rows)
+        try:
             tokens, logprobs = sample(logits, rows)
-        n_before = [len(c.seq.token_ids) for c in sampled]
-        finished = set(self.scheduler.postprocess(chunks, sampled, tokens, logprobs))
-        return [StepOutput(c.seq, c.seq.token_ids[n:], c.seq in finished) for c, n in zip(sampled, n_before)]
+        except Exception:  # noqa: BLE001 - the sampler raises before drawing: retry row by row
+            tokens, logprobs = [], []
+            for i, (c, row) in enumerate(zip(sampled, rows)):
+                try:
+                    t, lp = sample(logits[i: i + 1], [row])
+                except Exception as exc:  # noqa: BLE001 - this row's own failure
+                    failed[c.seq] = exc
+                    t, lp = [0], [None]
+                tokens += t
+                logprobs += lp
+        return sampled, tokens, logprobs
+
+    def _fail(self, seq: Sequence, exc: Exception) -> StepOutput:
+        """End one sequence whose step raised, with finish reason "error"; the rest of the batch goes on."""
+        log.warning("request %d failed in the engine step (%s: %s); the other sequences continue", seq.seq_id,
+                    type(exc).__name__, exc, exc_info=None if isinstance(exc, SamplingError) else exc)
+        self.scheduler.abort(seq, "error")
+        return StepOutput(seq, [], True)
 
     def _spec_step(self, chunks: list[Chunk]) -> list[StepOutput]:
-        """Draft for the decoding sequences, verify every draft and run the prefill chunks in one forward."""
+        """Draft for the decoding sequences, verify every draft and run the prefill chunks in one forward.
+
+        The target's choices are made one sequence at a time (`_chooser`), so a sequence whose sampling
+        raises ends alone with "error"; a failed drafter or target pass (before any sequence changed)
+        is run again chunk by chunk, and a chunk that still fails ends its sequence alone."""
         spec = self.spec
         assert spec is not None
-        decodes = [c for c in chunks if c.n == 1 and c.start > 0]
-        others = [c for c in chunks if not (c.n == 1 and c.start > 0)]
+        decodes = [c for c in chunks if is_decode(c)]
+        others = [c for c in chunks if not is_decode(c)]
         outputs = []
+        failed: dict[Sequence, Exception] = {}
         if decodes and spec.static is not None:
             step_lps: dict[int, list[TokenLogprobs | None]] = {}
 
@@ -228,41 +307,78 @@ class LLMEngine:
                 p = chunk.seq.params
                 if p.greedy and not p.has_penalties and p.logprobs is None:
                     return lambda row, accepted: best[row]
-                return self._chooser(chunk.seq, logits.float(), step_lps.setdefault(chunk.seq.seq_id, []))
+                return self._chooser(chunk.seq, logits.float(), step_lps.setdefault(chunk.seq.seq_id, []), failed)
 
-            committed = spec.static.step(decodes, chooser)
+            try:
+                committed = spec.static.step(decodes, chooser)
+            except Exception as exc:  # noqa: BLE001 - no sequence has changed yet: isolate the failing one
+                return self._spec_one_by_one(chunks, exc)
             if committed is not None:
                 for c, tokens in zip(decodes, committed):
+                    if c.seq in failed:
+                        outputs.append(self._fail(c.seq, failed[c.seq]))
+                        continue
                     n_before = len(c.seq.token_ids)
                     lps = step_lps.get(c.seq.seq_id)
-                    finished = self.scheduler.commit(c.seq, self._within_limit(c.seq, tokens), lps)
+                    finished = self._commit_verified(c, tokens, lps)
                     outputs.append(StepOutput(c.seq, c.seq.token_ids[n_before:], finished))
                 decodes = []
                 if not others:
                     return outputs
-        verify = spec.propose(decodes) if decodes else []
-        result = self.runner.forward(self.runner.prepare(verify + others), capture=spec.capture)
+        try:
+            verify = spec.propose(decodes) if decodes else []
+            result = self.runner.forward(self.runner.prepare(verify + others), capture=spec.capture)
+        except Exception as exc:  # noqa: BLE001 - no sequence has changed yet: isolate the failing one
+            return outputs + self._spec_one_by_one(decodes + others, exc)
         for i, c in enumerate(result.inputs.order):
             seq = c.seq
             n_before = len(seq.token_ids)
             if c.verify:
                 lps: list[TokenLogprobs | None] = []
-                choose = self._chooser(seq, result.chunk_logits(i), lps)
+                choose = self._chooser(seq, result.chunk_logits(i), lps, failed)
                 tokens = spec.accept(c, result.chunk_logits(i), result.chunk_features(i), choose)
-                finished = self.scheduler.commit(seq, self._within_limit(seq, tokens), lps)
+                if seq in failed:
+                    outputs.append(self._fail(seq, failed[seq]))
+                    continue
+                finished = self._commit_verified(c, tokens, lps)
             else:
                 spec.extend_context(seq, c.start, result.chunk_features(i))
                 seq.num_computed = c.start + c.n
                 if not c.wants_logits:
                     continue
-                toks, lps = sample(result.chunk_logits(i), [self._row(c)])
+                try:
+                    toks, lps = sample(result.chunk_logits(i), [self._row(c)])
+                except Exception as exc:  # noqa: BLE001 - this sequence's own failure
+                    outputs.append(self._fail(seq, exc))
+                    continue
                 finished = self.scheduler.commit(seq, toks, lps)
             outputs.append(StepOutput(seq, seq.token_ids[n_before:], finished))
         return outputs
 
-    def _chooser(self, seq: Sequence, logits: torch.Tensor,
-                 lps: list[TokenLogprobs | None]) -> Callable[[int, list[int]], int]:
-        """The target's choice at a verified row, as plain decoding would make it there."""
+    def _spec_one_by_one(self, chunks: list[Chunk], exc: Exception) -> list[StepOutput]:
+        """A speculative step over `chunks` raised before changing them: run each alone; one that still
+        raises ends its sequence with "error"."""
+        if len(chunks) == 1:
+            return [self._fail(chunks[0].seq, exc)]
+        log.warning("a speculative step of %d chunks failed (%s); running them one by one", len(chunks), exc)
+        return [out for c in chunks for out in self._spec_step([c])]
+
+    def _commit_verified(self, c: Chunk, tokens: list[int], lps: list[TokenLogprobs | None] | None) -> bool:
+        """Commit a verification's tokens; True if the sequence finished.
+
+        Forced tokens (a thinking budget's `</think>`) replace the verified ones, as in plain decoding:
+        then only the last known token's KV and drafter context stay, and the forced ones are prefilled."""
+        seq = c.seq
+        if seq.forced_tokens:
+            seq.num_computed = seq.draft_len = c.start + 1
+        return self.scheduler.commit(seq, self._within_limit(seq, tokens), lps)
+
+    def _chooser(self, seq: Sequence, logits: torch.Tensor, lps: list[TokenLogprobs | None],
+                 failed: dict[Sequence, Exception]) -> Callable[[int, list[int]], int]:
+        """The target's choice at a verified row, as plain decoding would make it there.
+
+        If sampling raises for this sequence, the error goes into `failed` and the choice is -1,
+        which no draft token equals, so the walk ends there (the caller then fails the sequence)."""
         p = seq.params
         if p.greedy and not p.has_penalties and p.logprobs is None:
             best = logits.argmax(-1).tolist()
@@ -270,7 +386,11 @@ class LLMEngine:
 
         def choose(row: int, accepted: list[int]) -> int:
             history = seq.output_ids + accepted if p.has_penalties else []
-            toks, lp = sample(logits[row: row + 1], [SampleRow(p, seq.prompt_ids, history, seq.generator)])
+            try:
+                toks, lp = sample(logits[row: row + 1], [SampleRow(p, seq.prompt_ids, history, seq.generator)])
+            except Exception as exc:  # noqa: BLE001 - handed to the caller through `failed`
+                failed[seq] = exc
+                return -1
             lps.append(lp[0])
             return toks[0]
 

@@ -12,6 +12,7 @@ import torch
 
 from lucebox.engine import gguf_loader, hf_loader
 from lucebox.engine.config import ModelConfig
+from lucebox.engine.config_check import describe
 from lucebox.engine.models import DecoderModel
 from lucebox.engine.tokenizer import Tokenizer, tokenizer_from_gguf, tokenizer_from_hf_dir
 from lucebox.errors import ModelFileError
@@ -50,8 +51,10 @@ def load_model(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
     quiet: bool = False,
+    quantized: bool | None = None,
 ) -> LoadedModel:
-    """Read config, weights and tokenizer; weights land on `device` in `dtype`."""
+    """Read config, weights and tokenizer; weights land on `device` in `dtype` (GGUF quant blocks stay
+    quantized where `quantized`, default on CUDA: see gguf_loader.iter_gguf_tensors)."""
     path = Path(path)
     device = torch.device(device)
     start = time.monotonic()
@@ -62,6 +65,8 @@ def load_model(
         n_tensors = hf_loader.count_tensors(path)
         tok_cfg_path = path / "tokenizer_config.json"
         tok_cfg = hf_loader.read_json(tok_cfg_path) if tok_cfg_path.exists() else None
+        if tok_cfg is not None and not isinstance(tok_cfg, dict):
+            raise ModelFileError(f"{tok_cfg_path} holds {describe(tok_cfg)}, not an object")
         template = _hf_chat_template(path)
         fmt, quant = "hf", _hf_dtype_name(path)
     elif path.exists():
@@ -69,9 +74,11 @@ def load_model(
         cfg = gguf_loader.gguf_config(reader, path)
         gguf_loader.check_quant_types(reader, path)
         tokenizer = tokenizer_from_gguf(reader)
-        tensors = gguf_loader.iter_gguf_tensors(reader, cfg, dtype, device)
+        tensors = gguf_loader.iter_gguf_tensors(reader, cfg, dtype, device, quantized)
         n_tensors = len(reader.tensors)
         template = gguf_loader.field(reader, "tokenizer.chat_template")
+        if template is not None and not isinstance(template, str):
+            raise ModelFileError(f"{path}: tokenizer.chat_template is {describe(template)}, not a template text")
         tok_cfg = None
         fmt, quant = "gguf", gguf_loader.dominant_quant(reader)
     else:

@@ -52,8 +52,10 @@ class StepResult:
         return [f[start: start + n] for f in self.features]
 
 
-def _is_decode(c: Chunk) -> bool:
-    return c.n == 1 and c.start > 0 and not c.verify
+def is_decode(c: Chunk) -> bool:
+    """One row after a computed context that samples: the last known token (a decode, or the last prompt
+    token after a prefix-cache hit). One row from the middle of a prompt (a step's leftover budget) is not."""
+    return c.n == 1 and c.start > 0 and not c.verify and c.wants_logits
 
 
 class ModelRunner:
@@ -76,9 +78,9 @@ class ModelRunner:
     # ----- input preparation -------------------------------------------------
 
     def prepare(self, chunks: list[Chunk]) -> StepInputs:
-        decodes = [c for c in chunks if _is_decode(c)]
+        decodes = [c for c in chunks if is_decode(c)]
         verifies = [c for c in chunks if c.verify]
-        prefills = [c for c in chunks if not _is_decode(c) and not c.verify]
+        prefills = [c for c in chunks if not is_decode(c) and not c.verify]
         if len({c.n for c in verifies}) > 1:
             raise ValueError("verification chunks of one step must have the same size")
         order = decodes + verifies + prefills
@@ -199,13 +201,13 @@ class ModelRunner:
         """Forward the chunks; returns the chunks that sample (in logits order), their logits,
         and their argmax tokens when a CUDA graph already computed them."""
         if self.graphs is not None:
-            decodes = [c for c in chunks if _is_decode(c)]
+            decodes = [c for c in chunks if is_decode(c)]
             if decodes and len(decodes) == len(chunks):
                 out = self.graphs.run(decodes)
                 if out is not None:
                     return decodes, out[0], out[1]
             elif decodes:
-                mixed = self._run_overlapped(decodes, [c for c in chunks if not _is_decode(c)])
+                mixed = self._run_overlapped(decodes, [c for c in chunks if not is_decode(c)])
                 if mixed is not None:
                     return mixed
         result = self.forward(self.prepare(chunks))

@@ -12,6 +12,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+# Bounds that keep the sampler's arithmetic finite in fp32, applied when a SamplingParams is made.
+# Values past them sample the same as the bound (a top-k past the vocabulary is no top-k; a repetition
+# penalty of 1e-300 or 1e4 already pushes the seen tokens' logits to the extremes), so clamping changes
+# no result a caller could want, and keeps NaN out of softmax (1e-300 divides a logit into inf).
+TOP_K_MAX = 2**31 - 1
+REPETITION_PENALTY_RANGE = (1e-4, 1e4)
+TEMPERATURE_MAX = 1e4
+SEED_MODULUS = 2**64  # torch.Generator.manual_seed takes 64 bits (a negative seed wraps the same way)
+
 
 @dataclass
 class SamplingParams:
@@ -27,6 +36,20 @@ class SamplingParams:
     stop_token_ids: frozenset[int] = field(default_factory=frozenset)  # besides the model's EOS set
     ignore_eos: bool = False
     logprobs: int | None = None  # None = off; N = chosen token plus top N alternatives
+
+    def __post_init__(self) -> None:
+        """Clamp values the sampler cannot represent to ones that sample the same (see the bounds above).
+
+        NaN and out-of-range values are left as they are, for `validate` to name them."""
+        if isinstance(self.top_k, int) and self.top_k > TOP_K_MAX:
+            self.top_k = TOP_K_MAX
+        lo, hi = REPETITION_PENALTY_RANGE
+        if _number(self.repetition_penalty) and self.repetition_penalty > 0:  # NaN and <= 0: validate's
+            self.repetition_penalty = min(max(self.repetition_penalty, lo), hi)
+        if _number(self.temperature) and self.temperature > TEMPERATURE_MAX:  # inf too
+            self.temperature = TEMPERATURE_MAX
+        if isinstance(self.seed, int):
+            self.seed %= SEED_MODULUS
 
     @property
     def greedy(self) -> bool:
@@ -52,6 +75,14 @@ class SamplingParams:
         for name, ok in checks:
             if not ok:
                 raise ValueError(f"{name}={getattr(self, name)!r} is out of range")
+
+
+def _number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+class SamplingError(ValueError):
+    """A row's parameters left it no distribution to draw from (raised before any generator is used)."""
 
 
 @dataclass
@@ -126,8 +157,17 @@ def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
 
 
 def draw(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-    """One token per row from softmax(logits), each row with its own generator."""
+    """One token per row from softmax(logits), each row with its own generator.
+
+    Rows whose probabilities are not a distribution (NaN, inf, all zero) raise SamplingError before any
+    draw: on CUDA `multinomial` would hit a device-side assert (fatal to the process), and no generator
+    has moved yet, so the engine can drop the bad row and sample the others exactly as it would have."""
     probs = logits.softmax(-1)
+    ok = torch.isfinite(probs).all(-1) & (probs.sum(-1) > 0)
+    if not bool(ok.all()):
+        bad = (~ok).nonzero().flatten().tolist()
+        raise SamplingError(f"rows {bad} have no valid probability distribution (NaN or inf after the penalties "
+                            "and temperature)")
     out = torch.empty(len(rows), dtype=torch.long, device=logits.device)
     shared = [i for i, r in enumerate(rows) if r.generator is None]
     if shared:

@@ -96,7 +96,10 @@ class Scheduler:
                 seq.cache_attached = True
                 self.cache.attach(seq)  # may start it from cached blocks / a restored snapshot
             n = min(seq.num_pending, budget)
-            need = self.kv.blocks_for(seq.num_computed + n) - len(seq.block_table)
+            # After a prefix-cache hit only the last prompt token may be left: that row runs as a decode,
+            # which brings `decode_rows` rows (a speculative verification).
+            rows = self.decode_rows if n == seq.num_pending == 1 and seq.num_computed > 0 else n
+            need = self.kv.blocks_for(seq.num_computed + rows) - len(seq.block_table)
             if need > self.kv.pool.num_free and self.cache is not None:
                 self.cache.evict(need - self.kv.pool.num_free)
             if need > self.kv.pool.num_free:
@@ -169,7 +172,18 @@ class Scheduler:
         return finished
 
     def commit(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprobs | None] | None = None) -> bool:
-        """Append several tokens (speculative step), stopping at EOS or the length limit; True if finished."""
+        """Append several tokens (speculative step), stopping at EOS or the length limit; True if finished.
+
+        Forced tokens, if any, replace them (as in `postprocess`); the caller has set the computed
+        length to end at the last token it knew before these."""
+        if seq.forced_tokens:
+            seq.token_ids.extend(seq.forced_tokens)
+            seq.forced_tokens = []
+            if seq.num_output >= seq.params.max_tokens or len(seq.token_ids) >= self.max_model_len:
+                self.running.remove(seq)
+                self._finish(seq, "length")
+                return True
+            return False
         for i, tok in enumerate(tokens):
             seq.token_ids.append(tok)
             if logprobs and logprobs[i] is not None:

@@ -36,8 +36,7 @@ class Sequence:
     # Tokens to append instead of the next sampled one (e.g. a forced `</think>`
     # when a thinking budget runs out); the model then prefills them.
     forced_tokens: list[int] = field(default_factory=list)
-    # DFlash: the sequence's blocks in the drafter's KV cache and how many positions they hold.
-    draft_block_table: list[int] = field(default_factory=list)
+    # DFlash: how many positions of the drafter's KV (kept in the same blocks as the target's) are filled.
     draft_len: int = 0
     cache_hint: Any = None  # lucebox.cache.manager.CacheHint: the prompt's cache keys, computed off the engine
     cache_attached: bool = False  # the prefix cache has set this sequence's starting blocks

@@ -24,6 +24,7 @@ from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers,
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.models import BPE
 
+from lucebox.engine.config_check import describe
 from lucebox.engine.tokenizer import Tokenizer
 from lucebox.errors import ModelFileError
 
@@ -102,6 +103,7 @@ def build_from_gguf(reader: GGUFFile) -> Tokenizer:
     tokens = meta.get("tokenizer.ggml.tokens")
     if model is None or not tokens:
         raise ModelFileError("GGUF file has no tokenizer (tokenizer.ggml.model / tokenizer.ggml.tokens missing)")
+    _check_types(meta, reader, len(tokens) if isinstance(tokens, list) else 0)
     types = meta.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
     if len(types) != len(tokens):
         raise ModelFileError(f"GGUF tokenizer has {len(tokens)} tokens but {len(types)} token types")
@@ -146,6 +148,41 @@ def build_from_gguf(reader: GGUFFile) -> Tokenizer:
         pad_id=meta.get("tokenizer.ggml.padding_token_id"),
         add_bos=add_bos,
     )
+
+
+# Key -> (what it must be, test); absent keys are fine (defaults apply).
+_TYPES: dict[str, tuple[str, Any]] = {
+    "tokenizer.ggml.model": ("a tokenizer name", lambda v: isinstance(v, str)),
+    "tokenizer.ggml.pre": ("a pre-tokenizer name", lambda v: isinstance(v, str)),
+    "tokenizer.ggml.tokens": ("a list of token strings", lambda v: isinstance(v, list)
+                              and all(isinstance(t, str) for t in v)),
+    "tokenizer.ggml.token_type": ("a list of token type numbers", lambda v: isinstance(v, list)
+                                  and all(isinstance(t, int) for t in v)),
+    "tokenizer.ggml.scores": ("a list of numbers", lambda v: isinstance(v, list)
+                              and all(isinstance(t, (int, float)) for t in v)),
+    "tokenizer.ggml.merges": ("a list of merge strings", lambda v: isinstance(v, list)
+                              and all(isinstance(t, str) for t in v)),
+    "tokenizer.ggml.add_bos_token": ("a boolean", lambda v: isinstance(v, (bool, int))),
+    "tokenizer.ggml.add_space_prefix": ("a boolean", lambda v: isinstance(v, (bool, int))),
+}
+_TOKEN_IDS = ("bos", "eos", "eot", "eom", "padding", "unknown")
+
+
+def _check_types(meta: _Meta, reader: GGUFFile, n_tokens: int) -> None:
+    """Each tokenizer key holds the type it must, and token ids name tokens: else one error naming the key."""
+    for key, (want, ok) in _TYPES.items():
+        value = meta.get(key)
+        if value is not None and not ok(value):
+            raise ModelFileError(f"{reader.path}: {key} is {describe(value)}, not {want}")
+    for name in _TOKEN_IDS:
+        key = f"tokenizer.ggml.{name}_token_id"
+        value = meta.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ModelFileError(f"{reader.path}: {key} is {describe(value)}, not a token id")
+        if name == "eos" and not 0 <= value < n_tokens:
+            raise ModelFileError(f"{reader.path}: {key} is {value}, but the vocabulary has {n_tokens} tokens")
 
 
 class _Meta:

@@ -11,23 +11,22 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import sys
+import traceback
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from lucebox.errors import LuceboxError
 
 if TYPE_CHECKING:
     from lucebox.http.messages import Handler, Request, Response
+    from lucebox.http.security import SecurityPolicy
 
 log = logging.getLogger("lucebox.http")
 
-CORS_HEADERS: tuple[tuple[str, str], ...] = (
-    ("access-control-allow-origin", "*"),
-    ("access-control-allow-methods", "GET, POST, OPTIONS"),
-    ("access-control-allow-headers", "*"),
-)
-PUBLIC_PATHS = frozenset({"/health", "/"})
-"""Paths served without an API key (load balancers and health probes carry none)."""
+PUBLIC_PATHS = frozenset({"/health", "/", "/status"})
+"""Paths served without an API key: health probes carry none, and `/status` is a static page that asks the
+browser for the key (it sends it on its `/status/json` polls)."""
 
 _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                     404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error",
@@ -36,6 +35,29 @@ _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 4
 _OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                  404: "invalid_request_error", 405: "invalid_request_error", 408: "timeout_error",
                  413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+
+
+CLIENT_CLOSED = 499
+"""The status logged and counted for a request whose client left before its answer was complete (nginx's code)."""
+TRACEBACK_FRAMES = 12
+"""Innermost frames a logged failure shows: enough to find the bug, never the thousands of a RecursionError."""
+
+
+def log_failure(logger: logging.Logger, message: str, *args: object) -> None:
+    """Log the exception being handled: one line (`message: Type: text`) plus a bounded traceback.
+
+    `logger.exception` prints every frame and the whole message; one hostile request could write
+    thousands of lines. Here the text is cut to 300 characters and the traceback to TRACEBACK_FRAMES.
+    """
+    exc = sys.exc_info()[1]
+    if exc is None:
+        logger.error(message, *args)
+        return
+    text = " ".join(str(exc).split())
+    text = text if len(text) <= 300 else text[:300] + "..."
+    frames = "".join(traceback.format_tb(exc.__traceback__, limit=-TRACEBACK_FRAMES)).rstrip()
+    logger.error(message + ": %s: %s\nTraceback (innermost %d frames):\n%s", *args, type(exc).__name__, text,
+                 TRACEBACK_FRAMES, frames)
 
 
 class HttpError(LuceboxError):
@@ -127,18 +149,23 @@ class Router:
 
 
 async def dispatch(handler: Handler, request: Request, response: Response, *, api_key: str | None,
-                   cors: bool) -> None:
+                   policy: SecurityPolicy) -> None:
     """Run `handler` for one request with the server's policy around it.
 
-    OPTIONS -> 204 (CORS preflight, never authenticated: browsers send no
+    A foreign Host, a disallowed Origin, a cross-origin admin call -> 403, a
+    body that is not JSON -> 415 (`SecurityPolicy.refusal`, before anything
+    else); OPTIONS -> 204 (CORS preflight, never authenticated: browsers send no
     credentials on it); missing/wrong API key -> 401; `HttpError` or
     `LuceboxError` -> 4xx in the path's shape; any other exception -> 500 with
     a generic message and the traceback in the log only. A stream the handler
     left open is ended; a stream cut by an exception is aborted.
     """
     try:
+        refused = policy.refusal(request.method, request.path, request.headers, bool(request.body))
+        if refused is not None:
+            raise HttpError(*refused)
         if request.method == "OPTIONS":
-            await response.send(204, headers=_preflight_headers(request) if cors else None)
+            await response.send(204, headers=policy.preflight_headers(request.path, request.headers))
             return
         if api_key and request.path not in PUBLIC_PATHS and not is_authorized(request, api_key):
             raise HttpError(401, "Missing or invalid API key: send 'Authorization: Bearer <key>' or "
@@ -153,7 +180,7 @@ async def dispatch(handler: Handler, request: Request, response: Response, *, ap
         await _send_error(request, response, 400, str(e))
         return
     except Exception:
-        log.exception("handler failed: %s %s", request.method, request.path)
+        log_failure(log, "handler failed: %s %s", request.method, request.path)
         await _send_error(request, response, 500, "Internal server error; see the server log.")
         return
     if not response.started:
@@ -172,13 +199,3 @@ async def _send_error(request: Request, response: Response, status: int, message
             response.abort()
         return
     await response.send_json(status, error_body(request.path, status, message, type, param), headers=headers)
-
-
-def _preflight_headers(request: Request) -> dict[str, Any]:
-    # `Access-Control-Allow-Headers: *` does not cover Authorization in browsers (Fetch spec), so name
-    # the headers the preflight asks for as well.
-    asked = request.headers.get("access-control-request-headers")
-    headers = {"access-control-max-age": "86400"}
-    if asked:
-        headers["access-control-allow-headers"] = "*, " + asked
-    return headers

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from lucebox import procs
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 QWEN_TEMPLATE = REPO / "tests" / "data" / "templates" / "Qwen-Qwen3-0.6B.jinja"
@@ -86,7 +88,7 @@ def server(smollm2_path: Path, results_dir: Path) -> Server:
     port = free_port()
     log = results_dir / "server.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen(
+        proc = procs.spawn(
             [sys.executable, "-m", "lucebox", "serve", "--model", str(smollm2_path), "--port", str(port),
              "--device", "cpu", "--chat-template-file", str(QWEN_TEMPLATE)],
             stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=REPO)
@@ -97,8 +99,4 @@ def server(smollm2_path: Path, results_dir: Path) -> Server:
         proc.kill()
         raise RuntimeError(f"server did not start; see {log}:\n{log.read_text()[-2000:]}") from None
     yield Server(url, proc, log)
-    proc.terminate()
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    procs.stop(proc, timeout=30)

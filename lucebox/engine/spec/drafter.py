@@ -1,6 +1,6 @@
 """The DFlash drafter: a few Qwen3-style layers that draft a block of tokens in one pass.
 
-Layout and math follow shared/spec/DFLASH.md. The drafter has no embedding
+Layout and math follow docs/spec/DFLASH.md. The drafter has no embedding
 and no LM head: its input rows are the target's embeddings of the block
 `[last_token, MASK × (B-1)]`, its logits are the target's LM head applied to
 its own final norm. It is conditioned on the target through features: the

@@ -177,7 +177,10 @@ class StaticSpec:
     def step(self, chunks: list[Chunk],
              chooser: Callable[[Chunk, torch.Tensor, list[int]], Callable[[int, list[int]], int]]
              ) -> list[list[int]] | None:
-        """Draft, verify and accept for decode chunks; None if no bucket fits (caller falls back)."""
+        """Draft, verify and accept for decode chunks; None if no bucket fits (caller falls back).
+
+        The sequences' computed lengths change only at the end, so a step that raises leaves them as
+        they were (the engine then runs the chunks one by one)."""
         spec, n = self.spec, self.N
         ctx = max(ch.start + n for ch in chunks)
         buckets = self.buckets_for(len(chunks), ctx)
@@ -185,16 +188,12 @@ class StaticSpec:
             return None
         b, c = buckets
         g = len(chunks)
-        for ch in chunks:  # drafter blocks for the rows this step may accept
-            need = spec.kv.blocks_for(ch.start + n) - len(ch.seq.draft_block_table)
-            if need > 0:
-                ch.seq.draft_block_table.extend(spec.kv.pool.allocate(need))
         # 1. draft
         ids = torch.full((b, self.B), self.drafter.cfg.mask_token_id, dtype=torch.long)
         ids[:g, 0] = torch.tensor([ch.seq.token_ids[ch.start] for ch in chunks])
         self.d_ids[:b].copy_(ids)
         self.d_start[:b].copy_(_pad([ch.start for ch in chunks], b))
-        self.d_tables[:b].copy_(self._tables([ch.seq.draft_block_table for ch in chunks], b))
+        self.d_tables[:b].copy_(self._tables([ch.seq.block_table for ch in chunks], b))
         out = self._graph("draft", b, c)()
         verify: list[Chunk] = []
         if self.K == 1:
@@ -231,6 +230,7 @@ class StaticSpec:
         logits, argmax, _ = self._graph("verify", b, c)()
         # 3. walk on the host, then the accepted rows' bookkeeping in one replay
         committed: list[list[int]] = []
+        paths: list[int] = []
         e_rows = torch.zeros(b, n, dtype=torch.long)
         e_pos = torch.zeros(b, n, dtype=torch.long)
         e_dslots = torch.zeros(b, n, dtype=torch.long)
@@ -243,21 +243,23 @@ class StaticSpec:
             rows = path + [path[-1]] * (n - len(path))
             e_rows[i] = torch.tensor(rows)
             e_pos[i] = ch.start + torch.arange(n)
-            e_dslots[i] = torch.tensor(spec.kv.slots(ch.seq.draft_block_table, ch.start, ch.start + n))
+            e_dslots[i] = torch.tensor(spec.kv.slots(ch.seq.block_table, ch.start, ch.start + n))
             tslots = spec.target_kv.slots(ch.seq.block_table, ch.start, ch.start + n)
             # Compaction: row path[d] moves to position start + d; the rest stay where they are.
             src = list(tslots)
             for d, r in enumerate(path):
                 src[d] = tslots[r]
             e_src[i] = torch.tensor(src)
-            spec.record(ch.seq, ch.start, len(path))
-            ch.seq.draft_len = ch.start + len(path)
+            paths.append(len(path))
         e_dst = torch.zeros(b, n, dtype=torch.long)
         e_dst[:g] = v_slots[:g]
         for buf, val in ((self.e_rows, e_rows), (self.e_pos, e_pos), (self.e_dslots, e_dslots),
                          (self.e_src, e_src), (self.e_dst, e_dst)):
             buf[:b].copy_(val)
         self._graph("extend", b, c)()
+        for ch, n_path in zip(chunks, paths):  # the sequences change only once every launch has run
+            spec.record(ch.seq, ch.start, n_path)
+            ch.seq.draft_len = ch.start + n_path
         return committed
 
     def _tables(self, tables: list[list[int]], b: int) -> torch.Tensor:

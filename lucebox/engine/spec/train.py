@@ -1,4 +1,4 @@
-"""Train a DFlash drafter for a target by self-distillation (shared/spec/DFLASH.md, "Training a drafter").
+"""Train a DFlash drafter for a target by self-distillation (docs/spec/DFLASH.md, "Training a drafter").
 
 `python -m lucebox train-drafter --target MODEL --out DIR`:
 

@@ -1,0 +1,43 @@
+"""x @ W.T for a quantized W: the Triton kernels on CUDA, an exact dequantize-per-call path elsewhere."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from lucebox.engine.quant.qtensor import QuantWeight
+
+try:
+    from lucebox.engine.quant import triton_qmm
+except ImportError:  # CPU-only installs: no triton
+    triton_qmm = None  # type: ignore[assignment]
+
+# Tests only: run the kernels on CPU tensors too (requires TRITON_INTERPRET=1, Triton's interpreter).
+ON_CPU = False
+# LUCEBOX_QUANT_KERNELS=0 makes CUDA dequantize per call too (a debugging switch, like LUCEBOX_FUSED_OPS).
+ENABLED = os.environ.get("LUCEBOX_QUANT_KERNELS", "1") != "0"
+
+
+def use_kernels(x: torch.Tensor) -> bool:
+    """Whether `qlinear` runs the Triton kernel for activations like `x`."""
+    return ENABLED and triton_qmm is not None and (x.is_cuda or (ON_CPU and x.device.type == "cpu"))
+
+
+def qlinear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ dequantize(w).T (+ bias) -> [..., N] in x's dtype.
+
+    Off CUDA the weight is dequantized for this call only (exact in fp32, so the CPU result equals a dense
+    fp32 weight's) and dropped after it. `out` (2-D x only) receives the result, e.g. a column slice.
+    """
+    if use_kernels(x):
+        lead = x.shape[:-1]
+        y = triton_qmm.qmatmul(x.reshape(-1, x.shape[-1]), w, bias, out)
+        return y if out is not None else y.reshape(*lead, y.shape[-1])
+    y = F.linear(x, w.dequantize(x.dtype), bias)
+    if out is not None:
+        out.copy_(y)
+        return out
+    return y

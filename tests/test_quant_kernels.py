@@ -1,0 +1,157 @@
+"""The Triton quantized matmul (engine/quant/triton_qmm.py) against the exact torch dequantizer, on odd shapes.
+
+Runs on CUDA (bf16 activations, as the engine runs), or on the CPU under Triton's interpreter
+(TRITON_INTERPRET=1, fp32 activations) when triton is importable; skips otherwise. The CUDA-graph and
+whole-model tests run on CUDA only.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from lucebox.engine.quant import QUANT_TYPES, QuantWeight, linear
+from tests.test_quant_formats import random_weight
+
+if linear.triton_qmm is None:
+    pytest.skip("triton is not installed", allow_module_level=True)
+qmm = linear.triton_qmm
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("no CUDA; set TRITON_INTERPRET=1 to run the kernels on the CPU", allow_module_level=True)
+DTYPE = torch.bfloat16 if CUDA else torch.float32
+# bf16 operands (the weight rounded to bf16 in the tile, as a dense bf16 weight is): ~3e-3 relative.
+TOL = 1.5e-2 if CUDA else 1e-5
+ROWS = [1, 3, 16, 17, 100] if CUDA else [1, 5, 17]
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA")
+
+
+def block(qtype: str) -> int:
+    return 256 if qtype.endswith("_K") else 32
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((y.double() - ref).norm() / ref.norm()).item()
+
+
+def reference(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    y = x.double() @ w.dequantize().double().T
+    return y if bias is None else y + bias.double()
+
+
+@pytest.mark.parametrize("qtype", QUANT_TYPES)
+@pytest.mark.parametrize("m", ROWS)
+def test_qmatmul_matches_dequantized_reference(qtype: str, m: int, monkeypatch) -> None:
+    """Every type through the gemv (m = 1) and the fused tile kernel (m > 1, forced below the slice path)."""
+    monkeypatch.setattr(qmm, "PREFILL_ROWS", 1 << 30)
+    n, k = 72, block(qtype) * 5  # N not a multiple of any tile; an odd number of chunks per step
+    w = random_weight(qtype, n, k, seed=m).to(DEVICE)
+    x = torch.randn(m, k, device=DEVICE).to(DTYPE)
+    y = qmm.qmatmul(x, w)
+    assert y.shape == (m, n) and y.dtype == DTYPE
+    assert rel_err(y, reference(x, w)) < TOL
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q4_K", "Q6_K", "Q8_0"])
+def test_bias_and_writing_into_a_column_slice(qtype: str) -> None:
+    n, k, m = 40, block(qtype) * 2, 4
+    w = random_weight(qtype, n, k, seed=7).to(DEVICE)
+    x = torch.randn(m, k, device=DEVICE).to(DTYPE)
+    bias = torch.randn(n, device=DEVICE).to(DTYPE)
+    out = torch.full((m, n + 24), float("nan"), device=DEVICE, dtype=DTYPE)
+    qmm.qmatmul(x, w, bias, out=out[:, 8:8 + n])
+    assert out[:, :8].isnan().all() and out[:, 8 + n:].isnan().all()
+    assert rel_err(out[:, 8:8 + n], reference(x, w, bias)) < TOL
+
+
+def test_rows_must_match() -> None:
+    w = random_weight("Q8_0", 16, 64).to(DEVICE)
+    with pytest.raises(ValueError, match="columns"):
+        qmm.qmatmul(torch.zeros(1, 96, device=DEVICE, dtype=DTYPE), w)
+
+
+@needs_cuda
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("fused_rows", [2, 64])
+def test_real_shapes_every_path(qtype: str, fused_rows: int, monkeypatch) -> None:
+    """A Qwen3-8B-sized projection at decode and prefill sizes, with the fused tile kernel serving up to 1 or
+    up to 63 rows (the gemv, tile and slice paths all run)."""
+    monkeypatch.setattr(qmm, "PREFILL_ROWS", fused_rows)
+    w = random_weight(qtype, 1024, 4096, seed=2).to("cuda")
+    for m in (1, 16, 512):
+        x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
+        assert rel_err(qmm.qmatmul(x, w), reference(x, w)) < TOL
+
+
+@needs_cuda
+def test_cuda_graph_replay_equals_eager() -> None:
+    w = random_weight("Q4_K", 256, 512, seed=3).to("cuda")
+    x = torch.randn(2, 512, device="cuda", dtype=torch.bfloat16)
+    eager = qmm.qmatmul(x, w)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = qmm.qmatmul(x, w)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    assert torch.equal(y, qmm.qmatmul(x, w))
+    assert not torch.equal(y, eager)
+
+
+@needs_cuda
+@pytest.mark.parametrize("qtype", QUANT_TYPES)
+def test_embedding_row_gather_captures_in_a_cuda_graph(qtype: str) -> None:
+    """The quantized embedding dequantizes its rows with torch ops inside the decode graph: none of them may
+    copy from the host."""
+    w = random_weight(qtype, 64, block(qtype) * 2, seed=13).to("cuda")
+    ids = torch.tensor([5, 0, 63], device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        rows = w.rows(ids, torch.bfloat16)
+    ids.copy_(torch.tensor([1, 2, 3]))
+    graph.replay()
+    assert torch.equal(rows, w.dequantize(torch.bfloat16)[1:4])
+
+
+@needs_cuda
+def test_quantized_model_on_cuda_matches_dense_and_graphs_match_eager(tiny_gguf) -> None:
+    """A tiny Q4_K_M-style model (Q4_K with Q6_K attn_v / ffn_down) held quantized vs dequantized at load, and
+    its CUDA-graph decode vs eager decode."""
+    from lucebox.engine.llm_engine import EngineConfig, LLMEngine
+    from lucebox.engine.loader import load_model
+    from lucebox.engine.sampler import SamplingParams
+
+    path = tiny_gguf("qwen3", "Q4_K", layer_qtypes=(("attn_v", "Q6_K"), ("ffn_down", "Q6_K")), embed_qtype="Q4_K")
+    ids = list(range(3, 60))
+
+    def engine(quantized: bool, graphs: bool) -> LLMEngine:
+        loaded = load_model(path, device="cuda", dtype=torch.bfloat16, quiet=True, quantized=quantized)
+        return LLMEngine(loaded, EngineConfig(device="cuda", dtype="bfloat16", kv_tokens=2048, cuda_graphs=graphs))
+
+    quant = engine(True, True)
+    assert quant.loaded.model.blk[0].ffn_down.qtype == "Q6_K"
+    dense = engine(False, True)
+    a, b = quant.score(ids), dense.score(ids)
+    assert rel_err(a, b.double()) < 2e-2
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    assert quant.generate([ids], params) == engine(True, False).generate([ids], params)
+
+
+@pytest.mark.parametrize("qtype", QUANT_TYPES)
+def test_dequantize_rows_kernel_matches_torch(qtype: str) -> None:
+    w = random_weight(qtype, 40, block(qtype) * 5, seed=11).to(DEVICE)
+    got = qmm.dequantize_rows(w, 3, 37, torch.float32)
+    ref = w.dequantize()[3:37]
+    assert torch.allclose(got, ref, rtol=1e-6, atol=0)  # exact but for fused multiply-adds
+
+
+@needs_cuda
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q4_1"])
+def test_prefill_path_in_bounded_slices(qtype: str, monkeypatch) -> None:
+    monkeypatch.setattr(qmm, "SCRATCH_ELEMS", 300 * 512)  # force several slices
+    w = random_weight(qtype, 1000, 512, seed=12).to("cuda")
+    x = torch.randn(qmm.PREFILL_ROWS + 7, 512, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(1000, device="cuda", dtype=torch.bfloat16)
+    assert rel_err(qmm.qmatmul(x, w, bias), reference(x, w, bias)) < TOL
