@@ -231,6 +231,8 @@ def random_blocks(rows: int, cols: int, qtype: str, std: float, rng: np.random.G
     from lucebox.engine.quant import FORMATS, dequantize
 
     block, size, _ = FORMATS[qtype]
+    if cols % block:
+        raise ValueError(f"{qtype} needs rows of a multiple of {block} values, got {cols}")
     data = rng.integers(0, 256, size=(rows * cols // block, size), dtype=np.uint8)
     d_at, m_at, ratio = _SCALE_FIELDS[qtype]
 
@@ -263,7 +265,7 @@ def mix_qtype(mix: str, name: str, layer: int, n_layers: int) -> str:
 
 
 def write_random_quant_gguf(path: Path, shape: Any, tokenizer_gguf: Path, mix: str = "Q4_K_M",
-                            name: str = "random", seed: int = 0) -> Path:
+                            name: str = "random", seed: int = 0, context: int = 4096) -> Path:
     """A Qwen3-architecture GGUF of `shape` (bench.pflash.Shape) with random weights in quant mix `mix`
     (Q4_K_M, or one of engine/quant's types, or F16) and the tokenizer of `tokenizer_gguf`. For timing only:
     one random matrix per distinct (shape, type) is shared by the layers (same bytes streamed, same math)."""
@@ -275,7 +277,7 @@ def write_random_quant_gguf(path: Path, shape: Any, tokenizer_gguf: Path, mix: s
     w = gguf.GGUFWriter(path, "qwen3")
     w.add_type(gguf.GGUFType.MODEL)
     w.add_name(name)
-    w.add_context_length(4096)
+    w.add_context_length(context)
     w.add_embedding_length(shape.hidden)
     w.add_block_count(shape.layers)
     w.add_feed_forward_length(shape.ffn)

@@ -31,7 +31,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from lucebox.bench.report import environment, print_table, write_json
@@ -275,63 +274,11 @@ def write_random_gguf(path: Path, shape: Shape, tokenizer_gguf: Path, context: i
     For timing only. One random matrix per distinct shape is shared by every
     layer (the file is as big as the real model; the math is the same).
     """
-    import gguf
+    from lucebox.bench.decode import write_random_quant_gguf
 
     if tokenizer_gguf.is_dir() or tokenizer_gguf.suffix != ".gguf":
         raise LuceboxError(f"--speed copies the tokenizer of a GGUF file; {tokenizer_gguf} is not one")
-    reader = gguf.GGUFReader(tokenizer_gguf)
-    tok_fields = {k: f for k, f in reader.fields.items() if k.startswith("tokenizer.")}
-    n_vocab = len(tok_fields["tokenizer.ggml.tokens"].contents())
-    w = gguf.GGUFWriter(path, "qwen3")
-    w.add_type(gguf.GGUFType.MODEL)
-    w.add_name(name)
-    w.add_context_length(context)
-    w.add_embedding_length(shape.hidden)
-    w.add_block_count(shape.layers)
-    w.add_feed_forward_length(shape.ffn)
-    w.add_head_count(shape.heads)
-    w.add_head_count_kv(shape.kv_heads)
-    w.add_key_length(shape.head_dim)
-    w.add_value_length(shape.head_dim)
-    w.add_layer_norm_rms_eps(1e-6)
-    w.add_rope_freq_base(1_000_000.0)
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
-    for key, f in tok_fields.items():
-        sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
-        w.add_key_value(key, f.contents(), f.types[0], sub_type=sub)
-
-    rng = np.random.default_rng(seed)
-    cache: dict[tuple[int, int], np.ndarray] = {}
-
-    def matrix(rows: int, cols: int) -> np.ndarray:
-        if (rows, cols) not in cache:
-            cache[(rows, cols)] = (rng.standard_normal((rows, cols), dtype=np.float32) / cols**0.5).astype(np.float16)
-        return cache[(rows, cols)]
-
-    ones = {n: np.ones(n, dtype=np.float32) for n in (shape.hidden, shape.head_dim)}
-    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
-    w.add_tensor("token_embd.weight", matrix(n_vocab, shape.hidden))
-    for i in range(shape.layers):
-        p = f"blk.{i}."
-        w.add_tensor(p + "attn_norm.weight", ones[shape.hidden])
-        w.add_tensor(p + "attn_q.weight", matrix(q, shape.hidden))
-        w.add_tensor(p + "attn_k.weight", matrix(kv, shape.hidden))
-        w.add_tensor(p + "attn_v.weight", matrix(kv, shape.hidden))
-        w.add_tensor(p + "attn_q_norm.weight", ones[shape.head_dim])
-        w.add_tensor(p + "attn_k_norm.weight", ones[shape.head_dim])
-        w.add_tensor(p + "attn_output.weight", matrix(shape.hidden, q))
-        w.add_tensor(p + "ffn_norm.weight", ones[shape.hidden])
-        w.add_tensor(p + "ffn_gate.weight", matrix(shape.ffn, shape.hidden))
-        w.add_tensor(p + "ffn_up.weight", matrix(shape.ffn, shape.hidden))
-        w.add_tensor(p + "ffn_down.weight", matrix(shape.hidden, shape.ffn))
-    w.add_tensor("output_norm.weight", ones[shape.hidden])
-    if not shape.tied:
-        w.add_tensor("output.weight", matrix(n_vocab, shape.hidden))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return write_random_quant_gguf(path, shape, tokenizer_gguf, mix="F16", name=name, seed=seed, context=context)
 
 
 def _text_of_length(tok: Any, docs: list[str], n: int) -> str:
