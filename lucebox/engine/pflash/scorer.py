@@ -66,7 +66,7 @@ def tail_attention(q_tail: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
 @torch.inference_mode()
 def token_importance(model: nn.Module, ids: list[int] | torch.Tensor, cfg: PFlashConfig) -> torch.Tensor:
     """One importance score per prompt token, [S] fp32 on the model's device (see the module docstring)."""
-    device = model.token_embd.weight.device
+    device = model.output_norm.weight.device  # a norm is always dense (token_embd may be quantized)
     x = torch.as_tensor(ids, device=device, dtype=torch.long).flatten()
     S = x.numel()
     if S == 0:

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from lucebox.engine.config import ModelConfig
 from lucebox.engine.kv_cache import KVCache, gather_index
@@ -126,9 +125,8 @@ class SpecDecoder:
         return self._head(out).float().log_softmax(-1)
 
     def _head(self, h: torch.Tensor) -> torch.Tensor:
-        t = self.target
-        weight = t.token_embd.weight if t.cfg.tie_word_embeddings else t.output.weight
-        return F.linear(h, weight)
+        """The target's own LM head (tied or not, dense or quantized: never a dense copy per call)."""
+        return self.target.lm_head(h)
 
     def _gather(self, tables: list[list[int]], ctx: int) -> torch.Tensor:
         return gather_index(tables, ctx, self.kv.block_size).to(self.device)
