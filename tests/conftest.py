@@ -13,10 +13,9 @@ from tests.memory import release_memory
 
 
 def data_file(rel: str) -> Path:
-    """A file of the bundled data (lucebox/data); the calling test skips, naming it, when it is absent."""
+    """A file of the data bundled in lucebox/data; it ships with the repository, so a missing one fails loudly."""
     path = DATA_DIR / rel
-    if not path.is_file():
-        pytest.skip(f"{path} is not available (the data bundled in lucebox/data)")
+    assert path.is_file(), f"{path} is missing: the repository bundles it (lucebox/data/SOURCES.md)"
     return path
 
 

@@ -33,9 +33,7 @@ from lucebox.engine.spec.drafter import DFlashDrafter, drafter_config_for, load_
 from lucebox.errors import LuceboxError
 from tests.fixtures import tiny_models
 
-DATA = DATA_DIR
-needs_data = pytest.mark.skipif(not (DATA / "swe_bench_verified.parquet").is_file(),
-                                reason=f"{DATA} lacks swe_bench_verified.parquet")
+DATA = DATA_DIR  # bundled in the repository (lucebox/data): a missing file fails, never skips
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -349,7 +347,6 @@ def test_command_errors_are_one_line(tiny_gguf, tmp_path):
 # ----- data --------------------------------------------------------------------------------------------------
 
 
-@needs_data
 @pytest.mark.parametrize("reader", ["builtin", "pyarrow"])
 def test_swe_bench_parquet_reads_with_and_without_pyarrow(reader, monkeypatch):
     if reader == "builtin":
@@ -367,7 +364,6 @@ def test_swe_bench_parquet_reads_with_and_without_pyarrow(reader, monkeypatch):
         data.read_parquet_column(path, "nope")
 
 
-@needs_data
 def test_training_split_never_contains_the_evaluation_suites():
     ev = data.eval_prompts(DATA)
     by = {s: [p for p in ev if p.source == s] for s in data.EVAL_SOURCES}
@@ -386,7 +382,6 @@ def test_training_split_never_contains_the_evaluation_suites():
     assert [p.messages for p in again] == [p.messages for p in train]  # deterministic
 
 
-@needs_data
 def test_prompts_file_entries_equal_to_an_eval_prompt_are_dropped(tmp_path):
     gsm = data.eval_prompts(DATA)[1]
     f = tmp_path / "p.jsonl"

@@ -140,6 +140,36 @@ def test_default_server_makes_a_forced_call_and_takes_its_result(live_server) ->
     assert follow.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
 
+def test_required_with_one_tool_streams_a_call_of_that_tool_over_two_turns(live_server) -> None:
+    """tool_choice "required" with one declared tool is that tool: the streamed call names it (the model alone
+    named a city and the markup leaked into the text), and the streamed second turn answers the result."""
+    client = openai.OpenAI(base_url=live_server.base_url, api_key="x", max_retries=0)
+    messages = [{"role": "user", "content": "What is the weather in Paris? Use the tool."}]
+    calls: dict[int, dict[str, str]] = {}
+    text, finish = "", None
+    for chunk in client.chat.completions.create(model="m", messages=messages, tools=[TOOL], tool_choice="required",
+                                                stream=True, max_tokens=48, temperature=0):
+        delta = chunk.choices[0].delta if chunk.choices else None
+        for tc in (delta.tool_calls or []) if delta else []:
+            entry = calls.setdefault(tc.index, {"id": "", "name": "", "args": ""})
+            entry["id"] = tc.id or entry["id"]
+            entry["name"] += tc.function.name or ""
+            entry["args"] += tc.function.arguments or ""
+        text += (delta.content or "") if delta else ""
+        finish = chunk.choices[0].finish_reason if chunk.choices and chunk.choices[0].finish_reason else finish
+    assert "<tool_call>" not in text
+    assert [c["name"] for c in calls.values()] == ["get_weather"] and finish == "tool_calls"
+    assert isinstance(json.loads(calls[0]["args"]), dict)
+    messages += [{"role": "assistant", "tool_calls": [{"id": calls[0]["id"], "type": "function", "function": {
+                     "name": "get_weather", "arguments": calls[0]["args"]}}]},
+                 {"role": "tool", "tool_call_id": calls[0]["id"], "content": "18 C, sunny"}]
+    stream = client.chat.completions.create(model="m", messages=messages, tools=[TOOL], stream=True, max_tokens=12,
+                                            temperature=0, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0, "the second turn reuses the first's prompt"
+    assert any(c.choices and c.choices[0].finish_reason for c in chunks)
+
+
 @pytest.mark.parametrize("choice", ["auto", "tool"])
 def test_anthropic_dialect_gets_the_tools_too(live_server, choice: str) -> None:
     """count_tokens sees the injected tools; a named tool choice comes back as a tool_use block."""

@@ -520,12 +520,16 @@ def tool_choice_prefix(template_source: str, req: ChatRequest) -> str:
     if choice in ("auto", None, "none"):
         return ""
     xml = "<function=" in template_source
+    declared = [t.get("function") or t for t in req.tools or [] if isinstance(t, dict)]
+    if choice == "required" and len(declared) == 1 and isinstance(declared[0], dict):
+        # One declared tool: "required" means that tool, so the call opens with its name and arguments.
+        # (Several tools: only the call markup is opened; choosing the name needs constrained decoding.)
+        choice = {"name": declared[0].get("name")}
     if isinstance(choice, dict):
         name = choice.get("name") or (choice.get("function") or {}).get("name")
         if not name:
             raise bad_field("tool_choice", "names no function")
-        tool = next((t.get("function") or t for t in req.tools or [] if (t.get("function") or t).get("name") == name),
-                    None)
+        tool = next((t for t in declared if isinstance(t, dict) and t.get("name") == name), None)
         if tool is None:
             raise bad_field("tool_choice", f"names {show_value(name)}, which is not among the declared tools")
         # Also open the arguments with the first required parameter, so only a call of that shape can follow.

@@ -218,19 +218,21 @@ def main(args: argparse.Namespace) -> int:
 
 # ----- random-weight GGUFs of real shapes, in any quant mix ------------------------------------------------------
 
-# Byte offsets of each type's fp16 scale, and of its min/offset field with the ratio to the scale that centres
-# the values (Q4_1/Q5_1 store an additive min m: centred at m = -ratio * d; K types subtract dmin * m).
+# Per type, from gguf/quants.py: (offset of the fp16 scale d, offset of the fp16 min/dmin field or None, the
+# min/d ratio that centres the values). Q4_1/Q5_1 add m (centred at m = ratio * d); K types subtract dmin * m.
 _SCALE_FIELDS = {"Q4_0": (0, None, 0.0), "Q4_1": (0, 2, -7.5), "Q5_0": (0, None, 0.0), "Q5_1": (0, 2, -15.5),
-                 "Q8_0": (0, None, 0.0), "Q4_K": (0, 2, 7.5), "Q5_K": (0, 2, 15.5),
-                 "Q6_K": (208, None, 0.0)}
+                 "Q8_0": (0, None, 0.0), "Q2_K": (80, 82, 1.5), "Q3_K": (108, None, 0.0), "Q4_K": (0, 2, 7.5),
+                 "Q5_K": (0, 2, 15.5), "Q6_K": (208, None, 0.0)}
 
 
 def random_blocks(rows: int, cols: int, qtype: str, std: float, rng: np.random.Generator) -> np.ndarray:
-    """Valid random blocks of a [rows, cols] `qtype` matrix with values of about `std`: random bits, with the
-    fp16 scale fields set (no float matrix is quantized, so an 8B-shaped file takes seconds)."""
-    from lucebox.engine.quant import FORMATS, dequantize
+    """Valid random blocks of a [rows, cols] `qtype` matrix with values of about `std` and mean about 0:
+    random bits with the fp16 scale fields set (no float matrix is quantized, so an 8B-shaped file takes
+    seconds). Returns the uint8 byte matrix GGUFWriter takes."""
+    import gguf
 
-    block, size, _ = FORMATS[qtype]
+    kind = gguf.GGMLQuantizationType[qtype]
+    block, size = gguf.GGML_QUANT_SIZES[kind]
     if cols % block:
         raise ValueError(f"{qtype} needs rows of a multiple of {block} values, got {cols}")
     data = rng.integers(0, 256, size=(rows * cols // block, size), dtype=np.uint8)
@@ -242,8 +244,7 @@ def random_blocks(rows: int, cols: int, qtype: str, std: float, rng: np.random.G
             data[:, m_at:m_at + 2] = np.frombuffer(np.float16(d * ratio).tobytes(), np.uint8)
 
     set_scale(1.0)
-    sample = torch.from_numpy(data[: min(len(data), 4096)])
-    unit = float(dequantize(sample, qtype, block).std())
+    unit = float(gguf.quants.dequantize(data[: min(len(data), 4096)], kind).std())
     set_scale(std / unit)
     return data.reshape(rows, -1)
 
