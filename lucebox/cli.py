@@ -30,6 +30,10 @@ def add_engine_args(p: argparse.ArgumentParser, positional: bool = False) -> Non
     p.add_argument("--weights", choices=["auto", "quantized", "dense"], default="auto",
                    help="GGUF quant blocks: auto (kept quantized on CUDA only when the dense copy would not fit) "
                         "| quantized | dense")
+    p.add_argument("--gpu-memory", type=float, default=None, metavar="GB",
+                   help="device memory this process may use, in GB of 2^30 bytes (weights, activations, CUDA "
+                        "graphs, KV cache); the KV cache gets what remains (default: what is free on the device); "
+                        "CUDA only")
     p.add_argument("--chat-template-file", type=Path, default=None, help="jinja chat template overriding the model's")
 
 
@@ -116,9 +120,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repetition-penalty", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--show-ids", action="store_true", help="print the generated token ids on stderr at the end")
+    p.add_argument("--warm-up", action="store_true",
+                   help="capture every CUDA graph and compile every kernel before generating, as `serve` does "
+                        "(default: lazily, which is quicker for one prompt)")
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("bench", help="benchmarks (decode, serve, spec, cache, pflash)")
+    p = sub.add_parser("bench", help="benchmarks (decode, serve, agent, spec, cache, pflash)")
     bench = p.add_subparsers(dest="bench", required=True)
     b = bench.add_parser("decode", help="prefill and decode tok/s, this engine vs transformers")
     add_engine_args(b)
@@ -128,6 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     b.add_argument("--compare-dense", action="store_true",
                    help="also time decode with the file's quantized weights held dense (dequantized at load)")
+    b.add_argument("--peer-bench", type=Path, default=None, metavar="PATH_TO_llama-bench",
+                   help="also run this llama-bench on the same file (pp512, tg128) and report it alongside")
     b.add_argument("--json", type=Path, default=Path("bench_decode.json"), help="where to write the results")
     b.set_defaults(func=_lazy("lucebox.bench.decode", "main"))
 
@@ -174,6 +183,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--data-dir", type=Path, default=None, help="data folder (default: lucebox/data)")
     b.add_argument("--json", type=Path, default=Path("bench_cache.json"), help="where to write the results")
     b.set_defaults(func=_lazy("lucebox.bench.cache", "main"))
+    b = bench.add_parser("agent", help="agent sessions (long shared prefix, growing history): TTFT per turn, "
+                         "cold and warm, p50/p99, stalls; against --url servers too (llama-server, vLLM)")
+    add_engine_args(b)
+    add_agent_bench_args(b)
+    b.set_defaults(func=_lazy("lucebox.bench.agent", "main"))
     b = bench.add_parser("pflash", help="PFlash prompt compression: needle retention, or TTFT at long lengths")
     add_engine_args(b)
     add_pflash_bench_args(b)
@@ -181,11 +195,32 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train-drafter", help="train a DFlash drafter for a target by self-distillation")
     add_train_args(p)
-    p.set_defaults(func=_lazy("lucebox.engine.spec.train", "main"))
+    p.set_defaults(func=_lazy("lucebox.train.trainer", "main"))
     from lucebox.clients.cli import add_clients_parser
 
     add_clients_parser(sub, _lazy)
     return parser
+
+
+def add_agent_bench_args(b: argparse.ArgumentParser) -> None:
+    """The `bench agent` flags (besides the engine flags)."""
+    b.add_argument("--url", default=None,
+                   help="benchmark this running OpenAI-compatible server (http://host:port) instead of starting one")
+    b.add_argument("--max-num-seqs", type=int, default=None,
+                   help="the started server's batch size (default: --concurrency)")
+    b.add_argument("--kv-tokens", type=int, default=None, help="the started server's KV cache size in tokens")
+    b.add_argument("--sessions", type=int, default=3, help="sessions sharing the system prefix")
+    b.add_argument("--turns", type=int, default=10, help="turns per session")
+    b.add_argument("--prefix-tokens", type=int, default=None,
+                   help="system prefix length in tokens, about (default 20000, or what the context leaves)")
+    b.add_argument("--turn-tokens", type=int, default=512, help="most tokens one turn appends")
+    b.add_argument("--max-tokens", type=int, default=1, help="max_tokens per turn (1: the turn measures prefill)")
+    b.add_argument("--concurrency", type=int, default=1,
+                   help="1: sessions interleave, one request at a time; C: sessions run concurrently, C in flight")
+    b.add_argument("--seed", type=int, default=0, help="picks the texts; a new seed is a new, uncached prefix")
+    b.add_argument("--data-dir", type=Path, default=None, help="data folder (default: lucebox/data)")
+    b.add_argument("--api-key", default=None, help="key to send (default: env LUCEBOX_API_KEY)")
+    b.add_argument("--json", type=Path, default=Path("bench_agent.json"), help="where to write the results")
 
 
 def add_pflash_bench_args(b: argparse.ArgumentParser) -> None:
@@ -222,7 +257,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prompts", type=Path, action="append", default=[],
                    help="extra training prompts, JSONL with `messages` or `prompt` per line (repeatable)")
     g.add_argument("--sources", default="swe_bench,agent,smoke,math,code,chat,file",
-                   help="training prompt sources (comma-separated; see lucebox/engine/spec/data.py)")
+                   help="training prompt sources (comma-separated; see lucebox/train/data.py)")
     g.add_argument("--max-prompts", type=int, default=None, help="use a seeded random subset of this many prompts")
     g.add_argument("--max-prompt-tokens", type=int, default=2048, help="drop longer prompts")
     g.add_argument("--max-new-tokens", type=int, default=256, help="response length the target generates")
@@ -294,7 +329,8 @@ def engine_from_args(args: argparse.Namespace, **overrides: Any) -> Any:
     from lucebox.fetch import resolve_model
 
     path = resolve_model(args.model)
-    cfg = EngineConfig(device=args.device, dtype=args.dtype, n_ctx=args.n_ctx, **overrides)
+    cfg = EngineConfig(device=args.device, dtype=args.dtype, n_ctx=args.n_ctx,
+                       gpu_memory=getattr(args, "gpu_memory", None), **overrides)
     return LLMEngine.from_path(path, cfg)
 
 
@@ -315,13 +351,16 @@ def parse_messages(text: str) -> list[dict]:
 
 def generate_config(args: argparse.Namespace) -> Any:
     """The server configuration `generate` loads with: serve's defaults (environment included), generate's flags,
-    one sequence, and no prefix cache or PFlash (one prompt, nothing to reuse or compress)."""
+    one sequence, no prefix cache or PFlash (one prompt, nothing to reuse or compress), and no start-up warm-up
+    unless `--warm-up` asks for it (for one prompt, capturing every graph bucket only costs time)."""
     from lucebox.serve import ServerConfig
 
     settings = vars(build_parser().parse_args(["serve"]))
     settings.update({k: v for k, v in vars(args).items() if k in settings and k != "command"})
     settings.update(max_num_seqs=1, no_prefix_cache=True, prefill_compression="off")
-    return ServerConfig.from_args(argparse.Namespace(**settings))
+    cfg = ServerConfig.from_args(argparse.Namespace(**settings))
+    cfg.warm_up = bool(getattr(args, "warm_up", False))
+    return cfg
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

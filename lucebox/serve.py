@@ -1,8 +1,9 @@
 """`python -m lucebox [serve]`: configuration, start-up, and the wiring of the HTTP app.
 
-Start-up binds the socket first and loads the model in a thread, so `/health`
-answers 503 `loading` until the engine is ready. Configuration precedence:
-CLI flag > environment (`LUCEBOX_*`) > model card > built-in default; the
+Start-up binds the socket first, then loads the model and warms it up in a
+thread (every CUDA graph captured, every kernel compiled: lucebox/engine/warmup.py),
+so `/health` answers 503 `loading` until the engine serves at full speed.
+Configuration precedence: CLI flag > environment (`LUCEBOX_*`) > model card > built-in default; the
 resolved configuration is logged at start and shown at `/props`.
 """
 
@@ -45,6 +46,8 @@ class ServerConfig:
     dtype: str = "auto"
     weights: str = "auto"  # GGUF quant blocks on the device: auto | quantized | dense
     n_ctx: int | None = None
+    gpu_memory: float | None = None  # GB the process may use on the device; None = what is free
+    warm_up: bool = True  # capture every graph and compile every kernel before /health says ready
     chat_template_file: Path | None = None
     model_card: Path | None = None
     max_num_seqs: int = 16
@@ -101,6 +104,7 @@ class ServerConfig:
             dtype=args.dtype,
             weights=getattr(args, "weights", "auto"),
             n_ctx=args.n_ctx,
+            gpu_memory=_number("--gpu-memory", float, pick("gpu_memory", "LUCEBOX_GPU_MEMORY", str, None)),
             chat_template_file=args.chat_template_file,
             model_card=getattr(args, "model_card", None),
             max_num_seqs=pick("max_num_seqs", "LUCEBOX_MAX_NUM_SEQS", int, 16),
@@ -136,6 +140,8 @@ class ServerConfig:
             parse_origins(self.cors_origins)
         except ValueError as exc:
             raise LuceboxError(str(exc)) from None
+        if self.gpu_memory is not None and not self.gpu_memory > 0:
+            raise LuceboxError(f"--gpu-memory must be a positive number of GB, got {self.gpu_memory}")
         if self.max_connections is not None and self.max_connections < 1:
             raise LuceboxError(f"--max-connections must be at least 1, got {self.max_connections}")
         if not self.request_timeout > 0:
@@ -217,9 +223,12 @@ def load_into(ctx: ServerContext, cfg: ServerConfig) -> Any:
     from lucebox.fetch import resolve_model
 
     path = resolve_model(cfg.model)
+    draft = None if cfg.no_draft else cfg.draft
+    # the drafter is loaded with the engine, so the memory plan counts it
     engine_cfg = EngineConfig(device=cfg.device, dtype=cfg.dtype, weights=cfg.weights, n_ctx=cfg.n_ctx,
-                              kv_tokens=cfg.kv_tokens, max_num_seqs=cfg.max_num_seqs,
-                              max_step_tokens=cfg.max_step_tokens)
+                              kv_tokens=cfg.kv_tokens, gpu_memory=cfg.gpu_memory, max_num_seqs=cfg.max_num_seqs,
+                              max_step_tokens=cfg.max_step_tokens, draft=draft, ddtree=cfg.ddtree,
+                              ddtree_budget=cfg.ddtree_budget)
     engine = LLMEngine.from_path(path, engine_cfg)
     loaded = engine.loaded
     names = [loaded.config.name, path.stem, path.stem.split(".")[0], path.name]
@@ -231,10 +240,7 @@ def load_into(ctx: ServerContext, cfg: ServerConfig) -> Any:
     ctx.card = card
     ctx.n_ctx = engine.n_ctx
     ctx.model_id = path.stem
-    draft = None if cfg.no_draft else cfg.draft
-    if draft:
-        engine.enable_speculation(Path(draft), ddtree=cfg.ddtree, budget=cfg.ddtree_budget)
-    else:
+    if not draft:
         drafter_hint(card)
     if cfg.prefix_cache:
         from lucebox.cache.manager import CacheConfig
@@ -249,6 +255,11 @@ def load_into(ctx: ServerContext, cfg: ServerConfig) -> Any:
     ctx.props.update(model_props(engine, card, cfg))
     ctx.props["speculative"] = lambda: speculative_props(engine, draft, cfg)
     ctx.props["prefix_cache"] = lambda: prefix_cache_props(engine, cfg)
+    ctx.props["warm_up"] = engine.warm_up_props
+    if engine.memory_plan is not None:
+        ctx.props["memory_plan"] = engine.memory_plan.props()
+    if cfg.warm_up:
+        engine.warm_up()  # still 503 `loading`: ctx.engine is set only once this returns
     return engine
 
 
@@ -402,6 +413,12 @@ def register_engine_metrics(ctx: ServerContext) -> None:
     m.counter("lucebox_preemptions_total", "Sequences preempted for lack of KV blocks",
               lambda: eng.engine.scheduler.num_preemptions)
     m.counter("lucebox_engine_steps_total", "Model steps run", lambda: eng.steps)
+    m.counter("lucebox_graph_captures_after_ready_total",
+              "CUDA graphs captured while serving (a request waited for it: the warm-up missed a bucket)",
+              lambda: eng.engine.captures_after_ready)
+    m.counter("lucebox_kernel_compiles_after_ready_total",
+              "Triton kernels compiled while serving (a request waited for it: the warm-up missed a shape)",
+              lambda: eng.engine.compiles_after_ready)
     cache = eng.engine.cache
     if cache is not None:
         for tier in ("gpu", "prefix", "exact"):

@@ -22,8 +22,9 @@ import httpx2 as httpx
 import pytest
 
 from lucebox.api import anthropic as api
-from lucebox.api.common import TEXT_ONLY, ServerContext, Usage
+from lucebox.api.common import TEXT_ONLY, ServerContext
 from lucebox.chat.events import Finish, ReasoningDelta, TextDelta, ToolCallArgsDelta, ToolCallEnd, ToolCallStart
+from lucebox.chat.run import Usage
 from lucebox.chat.template import ChatTemplate
 from lucebox.http import HttpError
 

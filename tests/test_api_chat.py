@@ -22,7 +22,7 @@ import openai
 import orjson
 import pytest
 
-from lucebox.api.common import TEXT_ONLY, ServerContext, Usage
+from lucebox.api.common import TEXT_ONLY, ServerContext
 from lucebox.api.openai_chat import (
     DONE,
     ChatRenderer,
@@ -40,6 +40,7 @@ from lucebox.chat.events import (
     ToolCallStart,
     merge_events,
 )
+from lucebox.chat.run import Usage
 from lucebox.engine.sampler import TokenLogprobs
 from lucebox.http import HttpError
 

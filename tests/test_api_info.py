@@ -26,9 +26,11 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from lucebox.api.common import ChatRequest, GenerationRun, ServerContext
+from lucebox.api.common import ServerContext
 from lucebox.api.info import codex_models, token_piece
 from lucebox.chat.prompt import PromptBuilder
+from lucebox.chat.request import ChatRequest
+from lucebox.chat.run import GenerationRun
 from lucebox.chat.template import ChatTemplate
 from lucebox.engine.gguf_loader import open_gguf
 from lucebox.engine.sampler import SamplingParams

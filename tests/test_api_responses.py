@@ -23,7 +23,7 @@ import pydantic
 import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 
-from lucebox.api.common import TEXT_ONLY, ServerContext, Usage, render_chat
+from lucebox.api.common import TEXT_ONLY, ServerContext
 from lucebox.api.openai_responses import (
     ResponseRenderer,
     _InputField,
@@ -39,6 +39,7 @@ from lucebox.chat.events import (
     ToolCallStart,
     new_call_id,
 )
+from lucebox.chat.run import Usage, render_chat
 from lucebox.chat.template import ChatTemplate
 from lucebox.data import DATA_DIR
 from lucebox.http import HttpError

@@ -8,6 +8,8 @@ import random
 import re
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from lucebox.chat.events import (
     TextDelta,
@@ -17,6 +19,13 @@ from lucebox.chat.events import (
     merge_events,
 )
 from lucebox.chat.toolcalls import ToolCallParser, convert_param, normalize_tools
+from lucebox.chat.toolcalls.driver import TRANSITIONS, State
+from lucebox.chat.toolcalls.gemma import GemmaCall
+from lucebox.chat.toolcalls.hermes_json import JsonCall
+from lucebox.chat.toolcalls.python_calls import PythonCalls
+from lucebox.chat.toolcalls.qwen_xml import XmlCall
+from lucebox.chat.toolcalls.reader import IllegalTransition, Reader
+from lucebox.chat.toolcalls.regions import BareList, Wrapper
 from lucebox.errors import LuceboxError
 
 WEATHER = {
@@ -443,13 +452,13 @@ def strict_valid(text: str) -> bool:
 
 
 def test_json_validator_agrees_with_json_loads_and_safe_prefixes_close():
-    from lucebox.chat.toolcalls import _JsonScan
+    from lucebox.chat.toolcalls.json_scan import JsonScan
 
     rng = random.Random(31)
     for _ in range(400):
         text = dumps_randomly({"a": random_json(rng)}, rng)
         for k in range(1, len(text) + 1):  # every prefix: the safe cut plus its closer is valid JSON
-            scan = _JsonScan()
+            scan = JsonScan()
             used = scan.feed(text[:k])
             assert not scan.error and used == k
             assert scan.safe <= k
@@ -458,7 +467,7 @@ def test_json_validator_agrees_with_json_loads_and_safe_prefixes_close():
         # mutate: the validator accepts exactly what strict json.loads accepts
         i = rng.randrange(len(text))
         bad = rng.choice([text[:i] + text[i + 1:], text[:i] + rng.choice(',:"{}[]\\x1-eE.') + text[i:]])
-        scan = _JsonScan()
+        scan = JsonScan()
         used = scan.feed(bad)
         assert (scan.done and not scan.error and used == len(bad)) == strict_valid(bad), bad
 
@@ -473,3 +482,119 @@ def test_random_hermes_calls_round_trip_and_truncations_stay_valid():
         assert parse(pieces, tools=tools) == call("f", args)
         cut = rng.randint(len('<tool_call>{"name": "f", "arguments": '), len(text))
         parse([text[:cut]], tools=tools)  # check_calls: closed with valid JSON, pieces concatenate
+
+
+# --------------------------------------------------------------------------- the state tables
+
+READERS = [Wrapper, BareList, PythonCalls, XmlCall, JsonCall, GemmaCall]
+
+# Texts that take the transitions the CASES above do not: two functions in one wrapper, a JSON call whose
+# arguments are a string or come with another key first, a list of calls inside a wrapper, only whitespace.
+TABLE_CORPUS = [text for text, _ in CASES.values()] + [
+    " \n",
+    "<tool_call>\n<function=get_weather>\n</function>\n<function=write_file>\n</function>\n</tool_call>",
+    '<tool_call>{"id": 1, "name": "get_weather", "arguments": "{\\"city\\": \\"A\\"}"}</tool_call>',
+    '<tool_call>[{"name": "get_weather"}, {"name": "write_file", "arguments": {}}]</tool_call>',
+]
+
+
+def reachable(start: set, edges: dict) -> set:
+    seen, todo = set(start), list(start)
+    while todo:
+        for nxt in edges.get(todo.pop(), ()):
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen
+
+
+def test_driver_table_reaches_every_state_and_every_state_can_finish():
+    edges: dict = {}
+    for (state, _event), nxt in TRANSITIONS.items():
+        edges.setdefault(state, set()).add(nxt)
+    assert reachable({State.START, State.PASSTHROUGH}, edges) == set(State)
+    for state in State:
+        assert State.DONE in reachable({state}, edges), state
+    assert {ToolCallParser(TOOLS).state, ToolCallParser(TOOLS, enabled=False).state} == {State.START,
+                                                                                         State.PASSTHROUGH}
+
+
+@pytest.mark.parametrize("cls", READERS, ids=lambda c: c.__name__)
+def test_reader_table_is_closed_and_every_state_is_reachable(cls):
+    table = cls.TRANSITIONS
+    assert set(cls.INITIAL) <= set(table)
+    assert all(set(nxt) <= set(table) for nxt in table.values()), "a transition to a state with no entry"
+    assert reachable(set(cls.INITIAL), table) == set(table)
+    for state in table:
+        assert callable(getattr(cls, "_" + state, None)), f"{cls.__name__} has no method for state {state!r}"
+
+
+def test_illegal_transitions_raise():
+    p = ToolCallParser(TOOLS)
+    p.push("Hi <tool_call>")
+    assert p.state is State.REGION
+    p.finish()
+    assert p.finish() == [] and p.state is State.DONE  # finishing twice is allowed by the table
+    with pytest.raises(IllegalTransition, match="DONE on 'push'"):
+        p.push("more")
+    off = ToolCallParser(TOOLS, enabled=False)
+    off.finish()
+    with pytest.raises(RuntimeError):  # what callers catch (as before the table): IllegalTransition is one
+        off.push("x")
+    open_region = ToolCallParser(TOOLS)
+    open_region.push("<tool_call>")
+    with pytest.raises(IllegalTransition, match="REGION on 'finish'"):  # finish() must decide every region first
+        open_region._fire("finish")
+    reader = XmlCall(ToolCallParser(TOOLS), "<function=", "get_weather>", 0, None)
+    with pytest.raises(IllegalTransition, match="'name' -> 'value'"):
+        reader.goto("value")
+    assert reader.state == "name"
+    reader.goto("params")
+    assert reader.state == "params"
+
+
+def test_corpus_takes_every_transition_of_every_table(monkeypatch):
+    """Every (state, event) of the driver's table and every edge of every reader's table happens in real text."""
+    taken: set = set()
+    edges: set = set()
+    fire, goto = ToolCallParser._fire, Reader.goto
+
+    def record_fire(self, event):
+        taken.add((self.state, event))
+        fire(self, event)
+
+    def record_goto(self, state):
+        edges.add((type(self), self.state, state))
+        goto(self, state)
+
+    monkeypatch.setattr(ToolCallParser, "_fire", record_fire)
+    monkeypatch.setattr(Reader, "goto", record_goto)
+    for text in TABLE_CORPUS:
+        for pieces in ([text], list(text)):
+            for enabled in (True, False):
+                p = ToolCallParser(TOOLS, enabled=enabled)
+                for piece in pieces:
+                    p.push(piece)
+                p.finish()
+                p.finish()
+    assert set(TRANSITIONS) - taken == set()
+    want = {(cls, a, b) for cls in READERS for a, nxt in cls.TRANSITIONS.items() for b in nxt}
+    assert want - edges == set()
+
+
+@st.composite
+def soup_and_chunks(draw):
+    """Markup soup from FRAGMENTS and the CASES texts, and a random chunking of it."""
+    parts = draw(st.lists(st.sampled_from(FRAGMENTS + [text for text, _ in CASES.values()]), max_size=8))
+    text = "".join(parts)
+    cuts = sorted(draw(st.sets(st.integers(1, max(1, len(text) - 1)), max_size=12))) if len(text) > 1 else []
+    bounds = [0, *cuts, len(text)]
+    return text, [text[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(soup_and_chunks())
+def test_any_chunking_gives_the_events_of_one_feed(case):
+    text, pieces = case
+    assert "".join(pieces) == text
+    assert parse(pieces) == parse([text])

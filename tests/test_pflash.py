@@ -13,9 +13,10 @@ import torch
 import torch.nn.functional as F
 
 from lucebox.engine.loader import load_model
+from lucebox.engine.models.dense_attention import dense_attention
 from lucebox.engine.pflash import PFlash, PFlashConfig, ScoredPrompt, same_tokenizer, select_chunks, token_importance
 from lucebox.engine.pflash.selection import anchor_chunks, chunk_means, head_tail, smooth
-from lucebox.engine.pflash.sparse import dense_attention, select_blocks, sparse_attention
+from lucebox.engine.pflash.sparse import select_blocks, sparse_attention
 from lucebox.errors import LuceboxError
 from tests.fixtures.tiny_models import tiny_hf_model
 

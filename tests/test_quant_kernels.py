@@ -155,3 +155,91 @@ def test_prefill_path_in_bounded_slices(qtype: str, monkeypatch) -> None:
     x = torch.randn(qmm.PREFILL_ROWS + 7, 512, device="cuda", dtype=torch.bfloat16)
     bias = torch.randn(1000, device="cuda", dtype=torch.bfloat16)
     assert rel_err(qmm.qmatmul(x, w, bias), reference(x, w, bias)) < TOL
+
+
+WORD_CONFIGS = [(1, 1, 1, 1), (4, 2, 4, 1), (16, 1, 4, 4), (8, 2, 2, 2)]
+
+
+@pytest.mark.parametrize("qtype", list(qmm.WORD_TYPES))
+@pytest.mark.parametrize("m", [1, 5])
+@pytest.mark.parametrize("cfg", WORD_CONFIGS)
+def test_word_kernels_every_config_and_split(qtype: str, m: int, cfg, monkeypatch) -> None:
+    """The word-wise gemv / small-batch kernels (Q4_K, Q6_K, Q8_0) in every launch config, split-K included
+    (fp32 partials summed by a second kernel), with a bias: Q6_K / Q8_0 rows of an even number of blocks, so
+    every other block starts 2 bytes into a word and is funnel-shifted."""
+    n, k = 40, block(qtype) * 4
+    w = random_weight(qtype, n, k, seed=m).to(DEVICE)
+    if cfg is not None and m > 1:
+        cfg = (16 * cfg[0], *cfg[1:])
+    x = torch.randn(m, k, device=DEVICE).to(DTYPE)
+    bias = torch.randn(n, device=DEVICE).to(DTYPE)
+    out = torch.full((m, n), float("nan"), device=DEVICE, dtype=DTYPE)
+    qmm._launch_words(x, w, bias, out, cfg)
+    assert rel_err(out, reference(x, w, bias)) < TOL
+
+
+@pytest.mark.parametrize("qtype", list(qmm.WORD_TYPES))
+def test_word_gemv_reads_bf16_activations_as_word_pairs(qtype: str) -> None:
+    """bf16 x is loaded 4 columns per 8-byte word and widened by shifts; the result matches x's exact product
+    (rounded once, to the bf16 output)."""
+    n, k = 24, block(qtype) * 2
+    w = random_weight(qtype, n, k, seed=4).to(DEVICE)
+    x = torch.randn(1, k, device=DEVICE).to(torch.bfloat16)
+    y = qmm.qmatmul(x, w)
+    assert y.dtype == torch.bfloat16
+    assert rel_err(y, reference(x, w)) < 1.5e-2
+
+
+@needs_cuda
+def test_warm_up_tunes_checked_configs_and_qmatmul_uses_them() -> None:
+    shapes = [("Q4_K", 512, 1024), ("Q6_K", 256, 2048), ("Q2_K", 256, 256)]
+    tuned = qmm.warm_up(shapes)
+    assert set(tuned) == {(kind, q, n, k) for q, n, k in shapes[:2] for kind in ("gemv", "small")}
+    assert all(qmm.TUNED[key] == cfg for key, cfg in tuned.items())
+    for q, n, k in shapes[:2]:
+        w = random_weight(q, n, k, seed=5).to("cuda")
+        for m in (1, 16):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            assert rel_err(qmm.qmatmul(x, w), reference(x, w)) < TOL
+
+
+def test_word_kernels_serve_only_shapes_warm_up_checked_on_cuda(monkeypatch) -> None:
+    """On the CPU (interpreter) the word-wise kernels always serve; on CUDA only a shape warm_up checked
+    against the exact reference does (some configs compiled to wrong results there), others keep the older
+    kernels."""
+    w = random_weight("Q4_K", 32, 512, seed=6).to(DEVICE)
+    x = torch.randn(1, 512, device=DEVICE).to(DTYPE)
+    out = torch.empty(1, 32, device=DEVICE, dtype=DTYPE)
+    monkeypatch.setattr(qmm, "TUNED", {})
+    assert qmm._word_ok(x, w, out) is (not CUDA)
+    qmm.TUNED["gemv", "Q4_K", 32, 512] = qmm.GEMV_DEFAULT["Q4_K"]
+    assert qmm._word_ok(x, w, out)
+    assert not qmm._word_ok(torch.randn(2, 512, device=DEVICE).to(DTYPE), w, torch.empty(2, 32, device=DEVICE,
+                                                                                       dtype=DTYPE)) or not CUDA
+
+
+def test_warm_up_never_keeps_a_config_that_computes_wrong(monkeypatch) -> None:
+    """warm_up checks every candidate against the exact reference before timing it: a config whose result is
+    wrong (as some compiled to on the H200) is dropped even when it is the fastest. Runs on the CPU too (the
+    interpreter, with the timer stubbed: triton's do_bench needs CUDA)."""
+    import triton.testing
+
+    good, bad = (4, 1, 1, 1), (1, 1, 1, 1)
+    real = qmm._launch_words
+
+    def launch(x, w, bias, out, cfg=None):
+        real(x, w, bias, out, cfg)
+        if cfg == bad:
+            out[:, 1::2] = 0  # the failure seen on the GPU: every other row lost
+
+    times = {good: 2.0, bad: 1.0}
+    monkeypatch.setattr(qmm, "_launch_words", launch)
+    monkeypatch.setattr(qmm, "GEMV_CANDIDATES", [bad, good])
+    monkeypatch.setattr(qmm, "SMALL_CANDIDATES", [bad])
+    monkeypatch.setattr(qmm, "TUNED", {})
+    calls = []
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: (calls.append(1), fn(), times[
+        next(c for c in (good, bad) if fn.__defaults__[0] == c)])[-1])
+    tuned = qmm.warm_up([("Q6_K", 24, 512)], device=DEVICE, dtype=DTYPE)
+    assert tuned == {("gemv", "Q6_K", 24, 512): good}  # the only small candidate was wrong: none kept
+    assert qmm.TUNED == tuned and len(calls) == 1

@@ -36,8 +36,8 @@ from lucebox.engine.llm_engine import EngineConfig, LLMEngine
 from lucebox.engine.loader import load_model
 from lucebox.engine.sampler import SamplingParams, filter_logits
 from lucebox.engine.spec import dflash
-from lucebox.engine.spec import train as T
 from lucebox.engine.spec.drafter import save_drafter
+from lucebox.train import trainer as T
 
 PROMPT = list(range(5, 30))
 NEW = 3  # new tokens per request: the joint outcome is the test's "symbol"

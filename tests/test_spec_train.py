@@ -1,4 +1,4 @@
-"""Drafter training (lucebox.engine.spec.train, .data): the training forward is the inference drafter, the loss
+"""Drafter training (lucebox.train.trainer, .data): the training forward is the inference drafter, the loss
 learns, the acceptance measured by the real decode loop follows the training metric, checkpoints and resume.
 
 The end-to-end checks train a small drafter for a tiny random target: its greedy outputs are low-entropy loops,
@@ -27,10 +27,10 @@ from lucebox.engine.llm_engine import EngineConfig, LLMEngine
 from lucebox.engine.loader import load_model
 from lucebox.engine.sampler import SamplingParams
 from lucebox.engine.sequence import Chunk
-from lucebox.engine.spec import data
-from lucebox.engine.spec import train as T
 from lucebox.engine.spec.drafter import DFlashDrafter, drafter_config_for, load_drafter, save_drafter
 from lucebox.errors import LuceboxError
+from lucebox.train import data
+from lucebox.train import trainer as T
 from tests.fixtures import tiny_models
 
 DATA = DATA_DIR  # bundled in the repository (lucebox/data): a missing file fails, never skips

@@ -66,22 +66,7 @@ from typing import Any
 
 import orjson
 
-from lucebox.api.common import (
-    TEXT_ONLY,
-    ChatRequest,
-    ContextOverflow,
-    GenerationRun,
-    ServerContext,
-    Usage,
-    bad_field,
-    field_of,
-    json_type,
-    render_chat,
-    require_object,
-    sampling_from_body,
-    show_value,
-    stop_list,
-)
+from lucebox.api.common import TEXT_ONLY, ServerContext, field_of, require_object, sampling_from_body, stop_list
 from lucebox.chat.events import (
     Event,
     Finish,
@@ -91,6 +76,8 @@ from lucebox.chat.events import (
     ToolCallEnd,
     ToolCallStart,
 )
+from lucebox.chat.request import ChatRequest, bad_field, json_type, show_value
+from lucebox.chat.run import ContextOverflow, GenerationRun, Usage, render_chat
 from lucebox.http import HttpError, Request, Response, Router, error_body
 from lucebox.http.router import log_failure
 

@@ -23,14 +23,9 @@ import re
 import time
 from typing import Any
 
-from lucebox.api.common import (
-    DEFAULT_MAX_TOKENS,
-    ServerContext,
-    bad_field,
-    field_of,
-    require_object,
-    sampling_from_body,
-)
+from lucebox.api.common import ServerContext, field_of, require_object, sampling_from_body
+from lucebox.chat.request import bad_field
+from lucebox.chat.run import DEFAULT_MAX_TOKENS
 from lucebox.engine.tokenizer import Tokenizer
 from lucebox.http import Request, Response, Router
 

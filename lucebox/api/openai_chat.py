@@ -29,17 +29,12 @@ import orjson
 
 from lucebox.api.common import (
     TEXT_ONLY,
-    ChatRequest,
-    GenerationRun,
     ServerContext,
-    Usage,
-    bad_field,
     check_logit_bias,
     field_of,
     reject_n,
     require_object,
     sampling_from_body,
-    show_value,
     stop_list,
 )
 from lucebox.chat.events import (
@@ -51,6 +46,8 @@ from lucebox.chat.events import (
     ToolCallEnd,
     ToolCallStart,
 )
+from lucebox.chat.request import ChatRequest, bad_field, show_value
+from lucebox.chat.run import GenerationRun, Usage
 from lucebox.engine.sampler import TokenLogprobs
 from lucebox.engine.tokenizer import Tokenizer
 from lucebox.http import HttpError, Request, Response, Router, error_body

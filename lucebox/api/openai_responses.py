@@ -36,17 +36,11 @@ import orjson
 
 from lucebox.api.common import (
     TEXT_ONLY,
-    ChatRequest,
-    GenerationRun,
     ServerContext,
-    Usage,
-    bad_field,
     field_of,
-    json_type,
     reject_n,
     require_object,
     sampling_from_body,
-    show_value,
     stop_list,
     type_field,
 )
@@ -59,6 +53,8 @@ from lucebox.chat.events import (
     ToolCallEnd,
     ToolCallStart,
 )
+from lucebox.chat.request import ChatRequest, bad_field, json_type, show_value
+from lucebox.chat.run import GenerationRun, Usage
 from lucebox.http import HttpError, Request, Response, Router
 from lucebox.http.router import log_failure
 from lucebox.model_cards import TIERS

@@ -15,13 +15,20 @@ read plus written, as gpt-fast reports it). `--compare-dense` times the same
 file again held dense in the model dtype (the pre-quantized-kernel path), in
 the same process. `write_random_quant_gguf` writes random-weight GGUFs of real
 shapes in any quant mix (e.g. a Qwen3-8B-shaped Q4_K_M) for such runs.
+`--peer-bench PATH` runs that llama-bench on the same file in the same run
+(`-p 512 -n 128 -ngl 99 -fa 1 -o json`, after this engine has released the
+device) and puts its pp512 / tg128 beside the prefill 512 and batch-1 decode
+rows. Quantized kernels are tuned and checked for the model's shapes first
+(engine/quant/linear.warm_up), as a server's start-up would.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
 import statistics
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -32,6 +39,7 @@ import torch
 
 from lucebox.bench.report import environment, print_table, write_json
 from lucebox.engine.llm_engine import LLMEngine
+from lucebox.engine.quant import linear as quant_linear
 from lucebox.engine.sampler import SamplingParams
 from lucebox.progress import Progress
 
@@ -147,6 +155,28 @@ def copy_bandwidth(device: torch.device, n_bytes: int = 1 << 30) -> float | None
     return 2 * n_bytes / statistics.median(times)
 
 
+PEER_ARGS = ["-p", "512", "-n", "128", "-ngl", "99", "-fa", "1", "-o", "json"]
+
+
+def peer_bench(tool: Path, model_file: Path, timeout: float = 1800) -> dict[str, Any]:
+    """Run llama-bench on `model_file` and read its JSON: a list of tests, each with n_prompt, n_gen and
+    avg_ts (tok/s). Returns {"pp512": tok/s, "tg128": tok/s, "tests": [...]} (a missing test is None)."""
+    cmd = [str(tool), "-m", str(model_file), *PEER_ARGS]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}: {proc.stderr.strip()[-2000:]}")
+    tests = json.loads(proc.stdout[proc.stdout.index("["):])
+    found: dict[str, Any] = {"pp512": None, "tg128": None}
+    for t in tests:
+        if t.get("n_prompt") == 512 and not t.get("n_gen"):
+            found["pp512"] = float(t["avg_ts"])
+        elif t.get("n_gen") == 128 and not t.get("n_prompt"):
+            found["tg128"] = float(t["avg_ts"])
+    return {**found, "tool": str(tool), "args": PEER_ARGS,
+            "tests": [{k: t.get(k) for k in ("n_prompt", "n_gen", "avg_ts", "stddev_ts", "backends", "build_commit",
+                                               "model_type", "n_gpu_layers", "flash_attn")} for t in tests]}
+
+
 def _decode_cases(engine: LLMEngine, label: str, batch_sizes: list[int], gen: int, hf: Any, copy_bw: float | None,
                   rows: list[list[Any]], results: list[dict[str, Any]], progress: Progress) -> None:
     device = engine.device
@@ -176,6 +206,9 @@ def main(args: argparse.Namespace) -> int:
     device = engine.device
     compare = getattr(args, "compare_dense", False)
     hf = None if args.no_hf else load_hf(engine.loaded.path, engine)
+    tuned = quant_linear.warm_up(engine.loaded.model)  # start-up: tune + check the quantized kernels (CUDA)
+    if tuned:
+        print(f"tuned the quantized kernels for {len(tuned)} (path, type, shape) cases", flush=True)
     copy_bw = copy_bandwidth(device)
     rows: list[list[Any]] = []
     results: list[dict[str, Any]] = []
@@ -197,6 +230,7 @@ def main(args: argparse.Namespace) -> int:
              f"on {device}{' [CUDA graphs]' if engine.runner.uses_cuda_graphs else ''}"
              f"{f'; copy bandwidth {copy_bw / 1e9:,.0f} GB/s' if copy_bw else ''}")
     env, cuda_graphs, dtype = environment(device), engine.runner.uses_cuda_graphs, engine.loaded.dtype
+    model_path = engine.loaded.path
     if compare:
         from lucebox.engine.loader import load_model
 
@@ -206,14 +240,38 @@ def main(args: argparse.Namespace) -> int:
         if device.type == "cuda":
             torch.cuda.empty_cache()
         dense = LLMEngine(load_model(path, device=device, dtype=dtype, quiet=True, quantized=False), config)
-        _decode_cases(dense, f" (dense {str(dtype)[6:]})", batch_sizes, gen, None, copy_bw, rows, results, progress)
+        _decode_cases(dense, f" ({label_dense(dtype)})", batch_sizes, gen, None, copy_bw, rows, results, progress)
     progress.close()
+    peer = None
+    if getattr(args, "peer_bench", None):
+        engine = dense = None  # free the device for the peer
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        peer = peer_bench(args.peer_bench, Path(model_path))
+        title += f"; llama.cpp: {Path(args.peer_bench).name} {' '.join(PEER_ARGS)}"
+    for row, res in zip(rows, results):
+        theirs = None
+        if peer and res["kind"] == "prefill" and res["tokens"] == 512:
+            theirs = peer["pp512"]
+        elif peer and res["kind"] == "decode" and res["batch"] == 1 and res["weights"] != label_dense(dtype):
+            theirs = peer["tg128"]
+        res["llama_cpp_tok_s"] = theirs
+        row.insert(5, theirs)
+        row.insert(6, row[2] / theirs if theirs else None)
 
-    print_table(title, ["case", "unit", "lucebox", "transformers", "ratio", "weight GB/s", "of copy BW"], rows)
-    write_json(args.json, {"benchmark": "decode", "model": str(path if compare else engine.loaded.path),
+    print_table(title, ["case", "unit", "lucebox", "transformers", "ratio", "llama.cpp", "vs llama.cpp",
+                        "weight GB/s", "of copy BW"], rows)
+    write_json(args.json, {"benchmark": "decode", "model": str(model_path),
                            "dtype": str(dtype), "cuda_graphs": cuda_graphs, "env": env,
-                           "copy_bandwidth_gb_s": copy_bw / 1e9 if copy_bw else None, "results": results})
+                           "copy_bandwidth_gb_s": copy_bw / 1e9 if copy_bw else None, "results": results,
+                           "peer_bench": peer})
     return 0
+
+
+def label_dense(dtype: torch.dtype) -> str:
+    """The `weights` field of the --compare-dense decode rows."""
+    return f"dense {str(dtype)[6:]}"
 
 
 # ----- random-weight GGUFs of real shapes, in any quant mix ------------------------------------------------------

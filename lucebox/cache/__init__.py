@@ -4,8 +4,9 @@ Modules (data flows down: the engine calls them, they never call the engine):
 
 - `prefix_index.PrefixIndex` (tier 0): full KV blocks on the device, indexed by token prefix.
 - `markers.ChatMarkers` (tier 1 boundaries): where turns start in a prompt's token ids.
-- `snapshots` (tiers 1 and 2): `SnapshotPool` of KV in host RAM, `gather_kv` / `scatter_kv`
-  between paged blocks and a snapshot, `token_key` / `prefix_keys` (SHA-1 keys).
+- `snapshots` (tiers 1 and 2): `SnapshotPool` of KV in host RAM, `gather_kv_into` (asynchronous, on a
+  side stream) / `scatter_kv` between paged blocks and a snapshot, `token_key` / `prefix_keys` (SHA-1 keys).
+- `host_pool.HostBufferPool`: the bounded, reusable (pinned on CUDA) host buffers the RAM tiers live in.
 - `disk.DiskStore` (persistence): snapshots as checked, memory-mapped files under a budget.
 - `layout.layout_id`: the hash that keeps KV of another model/dtype/template from being loaded.
 
@@ -39,17 +40,20 @@ Admission (scheduler, a waiting sequence with no blocks yet):
      `index.num_evictable()` says how much that can give.
 
 Commit (a sequence finishes having produced tokens, client still connected; before its blocks are
-decref'd):
+decref'd; engine thread; `PrefixCache.commit` never waits for the device):
   - tier 0: `index.insert(seq.token_ids[:seq.num_computed], seq.block_table)` (also fine right after
     prefill, and on preemption). Only committed tokens: never a draft a verify step may reject.
   - tier 1: snapshot at `b = bounds[-2]` (everything before the newest user turn's
     content; on the first turn that is the system prompt + tools, which the "not a prefix of another
-    entry" eviction rule then keeps): unless present, `prefix.put(key, prompt[:b], gather_kv(kv, table, b))`.
-  - tier 2: unless the prompt came from tier 2: `exact.put(exact_key, tokens, gather_kv(kv, table,
-    len(tokens) - 1))` with `tokens` the ids the KV continues (the prompt, or its PFlash compression).
-  - disk: `disk.put_async(tier, key, snap.tokens, snap.kv)` for the new RAM entries; it never blocks
-    (bounded queue; a full queue drops the write) and skips entries below `min_tokens`.
-`gather_kv` on CUDA copies into pinned host memory and waits for that copy (a few ms per request);
+    entry" eviction rule then keeps) of `prompt[:b]`, unless present or in flight.
+  - tier 2: unless the prompt came from tier 2: the KV of `tokens[:-1]` under `exact_key`, with `tokens`
+    the ids the KV continues (the prompt, or its PFlash compression).
+  - each snapshot: size check against the pool's budget first (too big: nothing allocated, nothing
+    copied), `pool.reserve(key, nbytes)` (evicts to make room; invisible to lookups), a buffer from the
+    host pool, `kv.pool.incref` of the blocks read, `gather_kv_into` (side stream, after the step that
+    wrote the KV). `PrefixCache.poll()` (the engine loop, every step, and before every lookup) then,
+    for each finished copy: decref the blocks, `pool.publish(...)`, `disk.put_async(..., done=release)`
+    (bounded queue; a full queue drops the write; entries below `min_tokens` are skipped).
 `scatter_kv` from pinned memory is an async copy ordered on the current stream before the next forward.
 
 Admin: `disk.clear()`, `prefix.clear()`, `exact.clear()`, `index.clear()`; stats from each

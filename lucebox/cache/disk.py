@@ -42,7 +42,7 @@ import struct
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -479,12 +479,14 @@ class DiskStore:
     # ----- the background writer ---------------------------------------------
 
     def put_async(self, tier: int, key: str, tokens: Sequence[int] | np.ndarray, kv: torch.Tensor,
-                  draft_kv: torch.Tensor | None = None) -> bool:
+                  draft_kv: torch.Tensor | None = None, done: Callable[[], None] | None = None) -> bool:
         """Queue a write for the background thread; never blocks. False if not queued
         (already stored or queued, below min_tokens, or the queue is full).
 
         `tokens` and `kv` are written later, as they are then: pass a RAM snapshot's, which nobody
-        writes into (a CPU tensor; a device tensor would be copied in the writer thread)."""
+        writes into (a CPU tensor; a device tensor would be copied in the writer thread). `done` is
+        called once the job no longer reads them (written, skipped, failed or dropped by `clear`),
+        only when this returns True."""
         if kv.shape[2] < self.min_tokens:
             self._count("skipped")
             return False
@@ -492,7 +494,7 @@ class DiskStore:
             if (tier, key) in self._index or (tier, key) in self._pending:
                 return False
             self._pending.add((tier, key))
-        if not self._enqueue(("put", tier, key, tokens, kv, draft_kv)):
+        if not self._enqueue(("put", tier, key, tokens, kv, draft_kv, done)):
             with self._lock:
                 self._pending.discard((tier, key))
             self._count("dropped")
@@ -518,12 +520,14 @@ class DiskStore:
                 if job[0] == "touch":
                     self._touch(job[1])
                 else:
-                    _, tier, key, tokens, kv, draft_kv = job
+                    _, tier, key, tokens, kv, draft_kv, done = job
                     try:
                         self.put(tier, key, tokens, kv, draft_kv)
                     finally:
                         with self._lock:
                             self._pending.discard((tier, key))
+                        if done is not None:
+                            done()
             except Exception:  # noqa: BLE001 - the writer must outlive any one bad job
                 log.exception("KV cache: background write failed")
                 self._count("write_errors")
@@ -554,6 +558,8 @@ class DiskStore:
             if job[0] == "put":
                 with self._lock:
                     self._pending.discard((job[1], job[2]))
+                if job[6] is not None:
+                    job[6]()
             self._queue.task_done()
         self._queue.join()
         with self._lock:

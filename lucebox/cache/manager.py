@@ -2,12 +2,23 @@
 
     hint = cache.prepare(prompt_ids)   # request thread: boundary keys, promote disk entries to RAM
     cache.attach(seq)                  # engine thread, at admission: reuse GPU blocks, restore a snapshot
-    cache.commit(seq)                  # engine thread, when a request finished well: index and snapshot it
+    cache.commit(seq)                  # engine thread, when a request finished well: index, start its snapshots
+    cache.poll()                       # engine thread, every step: publish the snapshots whose copy is done
 
 Tier 0 (GPU blocks) shares KV without copying; tier 1 (turn boundaries) and
 tier 2 (the exact prompt) restore host-RAM snapshots into fresh blocks; the
 disk store persists tiers 1 and 2 across restarts. Request threads and the
 engine thread both touch the RAM pools, so they are used under one lock.
+
+A commit never waits for the device. It checks the size first (an entry the
+RAM budget cannot take allocates nothing), reserves the entry's room, takes a
+buffer from the bounded host pool (pinned on CUDA), keeps the KV blocks it
+copies referenced, and starts the copy on a side stream after the step that
+wrote the KV (`gather_kv_into`). `poll` (each step, and before every lookup)
+publishes the entries whose copy finished, gives their blocks back and queues
+their disk writes (a worker thread). Until then a lookup of that entry is a
+miss: the request prefills instead of waiting. On the CPU the copy is done in
+`commit`, so the same path publishes it at the next `poll`.
 
 With a DFlash drafter (`draft_kv`), a hit must also give the drafter its context
 for the cached positions. Its context K/V sit in the same blocks as the
@@ -21,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,9 +40,21 @@ from typing import Any
 import numpy as np
 
 from lucebox.cache.disk import DiskStore
+from lucebox.cache.host_pool import HostBuffer, HostBufferPool
 from lucebox.cache.markers import ChatMarkers
 from lucebox.cache.prefix_index import PrefixIndex
-from lucebox.cache.snapshots import Snapshot, SnapshotPool, gather_kv, prefix_keys, scatter_kv, token_key
+from lucebox.cache.snapshots import (
+    KVCopy,
+    Snapshot,
+    SnapshotPool,
+    aligned,
+    gather_kv_into,
+    prefix_keys,
+    scatter_kv,
+    snapshot_bytes,
+    snapshot_shape,
+    token_key,
+)
 from lucebox.engine.kv_cache import KVCache, OutOfBlocks
 from lucebox.engine.sequence import Sequence
 
@@ -63,6 +87,29 @@ class TierCounters:
     hits: int = 0
     misses: int = 0
     restored_tokens: int = 0
+    committed: int = 0  # snapshots published
+    too_big: int = 0  # commits refused by the size check (nothing copied)
+    no_room: int = 0  # commits refused for lack of slots, host memory or copy slots (nothing copied)
+
+
+MAX_COPIES = 8  # snapshot copies in flight; a commit past that is skipped (it never waits)
+
+
+@dataclass(eq=False)
+class PendingCopy:
+    """A snapshot whose device->host copy is in flight: its blocks stay referenced until it is published."""
+
+    tier: str
+    key: str
+    tokens: list[int]
+    kv: Any  # torch.Tensor views into `buffer`
+    draft_kv: Any
+    buffer: HostBuffer
+    blocks: list[int]
+    copies: list[KVCopy]
+
+    def done(self) -> bool:
+        return all(c.done() for c in self.copies)
 
 
 class PrefixCache:
@@ -73,9 +120,15 @@ class PrefixCache:
         self.draft_kv = draft_kv  # a DFlash drafter's context KV, in the same blocks as `kv`
         self.markers = markers
         self.index = PrefixIndex(kv.pool, kv.block_size) if cfg.gpu else None
-        self.prefix = SnapshotPool(cfg.prefix_slots, "prefix", max_bytes=cfg.ram_bytes) \
-            if cfg.prefix_slots and markers is not None else None
-        self.exact = SnapshotPool(cfg.exact_slots, "exact", max_bytes=cfg.ram_bytes) if cfg.exact_slots else None
+        prefix_on = bool(cfg.prefix_slots) and markers is not None
+        # Size classes waste up to 1/8 of a buffer: the pool's bound leaves that over both RAM budgets.
+        budget = cfg.ram_bytes * (int(prefix_on) + int(bool(cfg.exact_slots)))
+        self.host = HostBufferPool(budget + budget // 8, kv.data.device)
+        self.prefix = SnapshotPool(cfg.prefix_slots, "prefix", max_bytes=cfg.ram_bytes, host=self.host) \
+            if prefix_on else None
+        self.exact = SnapshotPool(cfg.exact_slots, "exact", max_bytes=cfg.ram_bytes, host=self.host) \
+            if cfg.exact_slots else None
+        self.pending: list[PendingCopy] = []  # engine thread only
         self.disk = DiskStore(cfg.disk_dir, layout, cfg.disk_budget, cfg.disk_min_tokens) \
             if cfg.disk_dir is not None and layout is not None else None
         self._lock = threading.Lock()
@@ -142,14 +195,14 @@ class PrefixCache:
 
     @staticmethod
     def _put(pool: SnapshotPool, key: str, snap: Any) -> None:
-        """Promote a disk snapshot into a RAM pool (copies: the disk one is a mapped file)."""
-        draft = snap.draft_kv.clone() if snap.draft_kv is not None else None
-        pool.put(key, snap.tokens, snap.kv.clone(), draft)
+        """Promote a disk snapshot into a RAM pool (`put` copies the mapped file's KV into a host buffer)."""
+        pool.put(key, snap.tokens, snap.kv, snap.draft_kv)
 
     # ----- engine thread ------------------------------------------------------
 
     def attach(self, seq: Sequence) -> None:
         """At admission: start the sequence from the longest cached prefix (GPU blocks, then a snapshot)."""
+        self.poll()
         tokens = seq.token_ids
         cached = 0
         if self.index is not None:
@@ -161,12 +214,16 @@ class PrefixCache:
         hint = seq.cache_hint
         if hint is not None and seq.num_output == 0 and cached < len(tokens) - 1:
             snap, end, tier = self._find_snapshot(seq.prompt_ids, hint)
-            if snap is not None and end > cached and self._grow(seq, end):
-                scatter_kv(self.kv, seq.block_table, snap.kv, start=cached, end=end)
-                if self.draft_kv is not None:
-                    scatter_kv(self.draft_kv, seq.block_table, snap.draft_kv, start=cached, end=end)
-                self.counters[tier].restored_tokens += end - cached
-                cached = end
+            try:
+                if snap is not None and end > cached and self._grow(seq, end):
+                    scatter_kv(self.kv, seq.block_table, snap.kv, start=cached, end=end)
+                    if self.draft_kv is not None:
+                        scatter_kv(self.draft_kv, seq.block_table, snap.draft_kv, start=cached, end=end)
+                    self.counters[tier].restored_tokens += end - cached
+                    cached = end
+            finally:
+                if snap is not None and snap.buffer is not None:
+                    snap.buffer.release()  # after the restore's copy was queued: the buffer is reused after it
         seq.num_cached = seq.num_computed = cached
         if self.draft_kv is not None:
             seq.draft_len = cached
@@ -175,15 +232,22 @@ class PrefixCache:
         """A snapshot restores only with everything the engine needs (the drafter's context too, when on)."""
         return snap is not None and (self.draft_kv is None or snap.draft_kv is not None)
 
+    @staticmethod
+    def _held(snap: Snapshot) -> Snapshot:
+        """A found snapshot, its buffer retained (lock held) so that no eviction recycles it mid-restore."""
+        if snap.buffer is not None:
+            snap.buffer.retain()
+        return snap
+
     def _find_snapshot(self, prompt: list[int], hint: CacheHint) -> tuple[Any, int, str]:
-        """Tier 2 wins over tier 1; returns (snapshot, positions it covers, tier)."""
+        """Tier 2 wins over tier 1; returns (snapshot, positions it covers, tier); the caller releases its buffer."""
         with self._lock:
             if self.exact is not None:
                 snap = self.exact.get(hint.exact_key)
                 if self._usable(snap) and len(snap.tokens) == len(prompt) and np.array_equal(
                         snap.tokens, np.asarray(prompt, dtype=np.int32)):
                     self.counters["exact"].hits += 1
-                    return snap, len(prompt) - 1, "exact"
+                    return self._held(snap), len(prompt) - 1, "exact"
                 self.counters["exact"].misses += 1
             if self.prefix is not None and hint.keys:
                 ends = sorted(hint.keys)
@@ -191,7 +255,7 @@ class PrefixCache:
                 if found is not None and self._usable(found[1]):
                     end, snap = found
                     self.counters["prefix"].hits += 1
-                    return snap, min(end, len(prompt) - 1), "prefix"
+                    return self._held(snap), min(end, len(prompt) - 1), "prefix"
                 self.counters["prefix"].misses += 1
         return None, 0, ""
 
@@ -214,23 +278,22 @@ class PrefixCache:
             c.misses += 1
 
     def evict(self, n_blocks: int) -> int:
-        """Free up to `n_blocks` GPU blocks that only the index holds (LRU)."""
+        """Free up to `n_blocks` GPU blocks that only the index holds (LRU), after finished copies gave theirs."""
+        self.poll()
         return len(self.index.evict(n_blocks)) if self.index is not None and n_blocks > 0 else 0
 
     @property
     def blocks_held(self) -> int:
-        """Blocks the index keeps alive beyond any sequence."""
-        return self.index.num_held_alone() if self.index is not None else 0
+        """Blocks the cache keeps alive beyond any sequence: indexed ones, and ones a snapshot copy still reads."""
+        copying = Counter(b for p in self.pending for b in p.blocks)
+        indexed = self.index.blocks() if self.index is not None else set()
+        refs = self.kv.pool.ref_counts
+        return sum(1 for b in indexed | copying.keys() if refs[b] == (b in indexed) + copying[b])
 
     def _valid(self, seq: Sequence) -> int:
         """Positions of the sequence whose KV (and drafter context, when on) is complete."""
         n = min(seq.num_computed, len(seq.token_ids))
         return min(n, seq.draft_len) if self.draft_kv is not None else n
-
-    def _gather(self, seq: Sequence, n: int) -> tuple[Any, Any]:
-        """Host copies of positions [0, n): the target's KV and the drafter's (or None)."""
-        draft = gather_kv(self.draft_kv, seq.block_table, n) if self.draft_kv is not None else None
-        return gather_kv(self.kv, seq.block_table, n), draft
 
     def index_prefix(self, seq: Sequence) -> None:
         """Tier 0 only (a preempted sequence): keep its computed blocks findable."""
@@ -239,7 +302,10 @@ class PrefixCache:
             self.index.insert(seq.token_ids[:valid], seq.block_table)
 
     def commit(self, seq: Sequence) -> None:
-        """A request finished well (it produced tokens, the client stayed): remember its prefix."""
+        """A request finished well (it produced tokens, the client stayed): index its blocks, start its snapshots.
+
+        Never waits for the device: the snapshots are published by a later `poll`."""
+        self.poll()
         self.index_prefix(seq)
         hint = seq.cache_hint
         if hint is None:
@@ -250,28 +316,77 @@ class PrefixCache:
             b = hint.bounds[-2]  # everything before the newest turn's content
             key = hint.keys.get(b)
             if key is not None and self.cfg.min_tokens <= b <= computed:
-                with self._lock:
-                    fresh = key not in self.prefix
-                if fresh:
-                    snap_kv, draft_kv = self._gather(seq, b)
-                    with self._lock:
-                        self.prefix.put(key, prompt[:b], snap_kv, draft_kv)
-                    if self.disk is not None:
-                        self.disk.put_async(1, key, prompt[:b], snap_kv, draft_kv)
+                self._start_copy(seq, "prefix", key, prompt[:b], b)
         n = len(prompt) - 1
         if self.exact is not None and self.cfg.min_tokens <= n <= computed:
+            self._start_copy(seq, "exact", hint.exact_key, prompt, n)
+
+    def _start_copy(self, seq: Sequence, tier: str, key: str, tokens: list[int], n: int) -> None:
+        """Snapshot positions [0, n) of `seq` under `key`: size check, room, host buffer, then the async copy."""
+        pool = self.prefix if tier == "prefix" else self.exact
+        assert pool is not None
+        kv_bytes = snapshot_bytes(self.kv, n)
+        draft_bytes = snapshot_bytes(self.draft_kv, n) if self.draft_kv is not None else 0
+        counters = self.counters[tier]
+        if any(p.key == key and p.tier == tier for p in self.pending):
+            return  # in flight (perhaps from before a clear, so no longer reserved)
+        with self._lock:
+            if key in pool or pool.pending(key):
+                return
+            if pool.max_bytes is not None and kv_bytes + draft_bytes + 4 * len(tokens) > pool.max_bytes:
+                counters.too_big += 1
+                return
+            if len(self.pending) >= MAX_COPIES or not pool.reserve(key, kv_bytes + draft_bytes + 4 * len(tokens)):
+                counters.no_room += 1
+                return
+        buffer = self.host.acquire(aligned(kv_bytes) + draft_bytes)
+        if buffer is None:
             with self._lock:
-                fresh = hint.exact_key not in self.exact
-            if fresh:
-                snap_kv, draft_kv = self._gather(seq, n)
-                with self._lock:
-                    self.exact.put(hint.exact_key, prompt, snap_kv, draft_kv)
-                if self.disk is not None:
-                    self.disk.put_async(2, hint.exact_key, prompt, snap_kv, draft_kv)
+                pool.unreserve(key)
+            counters.no_room += 1
+            return
+        kv = buffer.view(snapshot_shape(self.kv, n), self.kv.data.dtype)
+        copies = [gather_kv_into(self.kv, seq.block_table, n, kv)]
+        draft = None
+        if self.draft_kv is not None:
+            draft = buffer.view(snapshot_shape(self.draft_kv, n), self.draft_kv.data.dtype, aligned(kv_bytes))
+            copies.append(gather_kv_into(self.draft_kv, seq.block_table, n, draft))
+        blocks = list(seq.block_table[:self.kv.blocks_for(n)])
+        self.kv.pool.incref(blocks)  # nobody writes them (they stay allocated) until the copy is done
+        self.pending.append(PendingCopy(tier, key, list(tokens), kv, draft, buffer, blocks, copies))
+
+    def poll(self) -> int:
+        """Engine thread: publish the snapshots whose copy finished, give their blocks back, queue disk writes.
+
+        Returns how many copies are still in flight."""
+        if not self.pending:
+            return 0
+        still = []
+        for p in self.pending:
+            if not p.done():
+                still.append(p)
+                continue
+            self.kv.pool.decref(p.blocks)
+            pool = self.prefix if p.tier == "prefix" else self.exact
+            assert pool is not None
+            with self._lock:
+                entry = pool.publish(p.key, p.tokens, p.kv, p.draft_kv, p.buffer)
+            if entry is None:  # cleared while copying
+                p.buffer.release()
+                continue
+            self.counters[p.tier].committed += 1
+            if self.disk is not None:
+                p.buffer.retain()  # the writer thread reads it; an eviction meanwhile must not recycle it
+                if not self.disk.put_async(1 if p.tier == "prefix" else 2, p.key, p.tokens, p.kv, p.draft_kv,
+                                           done=p.buffer.release):
+                    p.buffer.release()
+        self.pending = still
+        return len(still)
 
     # ----- admin and stats ----------------------------------------------------
 
     def clear(self) -> dict[str, int]:
+        """Engine thread (admin): drop every tier; copies in flight then publish nothing."""
         with self._lock:
             freed = len(self.index.clear()) if self.index is not None else 0
             for pool in (self.prefix, self.exact):
@@ -289,6 +404,10 @@ class PrefixCache:
                 out[name] = {**self.counters[name].__dict__, "enabled": pool is not None,
                              "slots": s.slots if s else 0, "entries": s.entries if s else 0,
                              "bytes": s.bytes if s else 0}
+        h = self.host.stats()
+        out["host"] = {"capacity": h.capacity, "in_use": h.in_use, "cached": h.cached, "peak": h.peak,
+                       "allocations": h.allocations, "reused": h.reused, "refused": h.refused,
+                       "copies_in_flight": len(self.pending)}
         if self.disk is not None:
             d = self.disk.stats()
             out["disk"] = {"dir": str(self.cfg.disk_dir), "entries": d.entries, "bytes": d.bytes,

@@ -121,6 +121,10 @@ class PrefixIndex:
     def _evictable(self, node: _Node) -> bool:
         return not node.children and self.pool.ref_counts[node.block] == 1
 
+    def blocks(self) -> set[int]:
+        """The indexed blocks."""
+        return set(self._by_block)
+
     def num_held_alone(self) -> int:
         """Indexed blocks no sequence references (only the index keeps them)."""
         return sum(1 for b in list(self._by_block) if self.pool.ref_counts[b] == 1)

@@ -23,6 +23,7 @@ RAM, on disk and across restarts.
 from __future__ import annotations
 
 import hashlib
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from lucebox.cache.host_pool import HostBuffer, HostBufferPool
 from lucebox.engine.kv_cache import KVCache
 
 KINDS = ("prefix", "exact")
@@ -71,29 +73,99 @@ def _slot_index(kv: KVCache, block_table: Sequence[int], start: int, end: int) -
         raise ValueError(f"a block table of {len(block_table)} blocks does not hold {end} tokens")
     pos = torch.arange(start, end)
     table = torch.tensor(list(block_table[:-(-end // bs)]), dtype=torch.long)
-    return (table[pos // bs] * bs + pos % bs).to(kv.data.device)
+    index = table[pos // bs] * bs + pos % bs
+    if kv.data.device.type == "cpu":
+        return index
+    # From pinned memory the copy is queued on the current stream; from pageable memory it would wait for it.
+    return index.pin_memory().to(kv.data.device, non_blocking=True)
 
 
 def _host_empty(shape: Sequence[int], dtype: torch.dtype, pin: bool) -> torch.Tensor:
     return torch.empty(tuple(shape), dtype=dtype, pin_memory=pin)
 
 
+def snapshot_shape(kv: KVCache, n_tokens: int) -> tuple[int, ...]:
+    """The shape of a snapshot of `n_tokens` positions of `kv`: `[layers, 2, n, kv_heads, head_dim]`."""
+    d = kv.data
+    return (d.shape[0], d.shape[1], n_tokens, *d.shape[3:])
+
+
+def aligned(nbytes: int) -> int:
+    """Where a second tensor starts in a host buffer after `nbytes` of the first (views need 16-byte alignment)."""
+    return -(-nbytes // 16) * 16
+
+
+def snapshot_bytes(kv: KVCache, n_tokens: int) -> int:
+    """Bytes of the KV of `n_tokens` positions of `kv` in a snapshot (known before any copy)."""
+    d = kv.data
+    return n_tokens * (d.numel() // d.shape[2]) * d.element_size()
+
+
+class KVCopy:
+    """A copy of snapshot KV out of the blocks; `done()` says when the host tensor holds it."""
+
+    def __init__(self, event: torch.cuda.Event | None) -> None:
+        self.event = event
+
+    def done(self) -> bool:
+        return self.event is None or self.event.query()
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+
+
+_copy_streams: dict[torch.device, torch.cuda.Stream] = {}
+_copy_streams_lock = threading.Lock()
+
+
+def copy_stream(device: torch.device) -> torch.cuda.Stream:
+    """The side stream snapshot copies of `device` run on (one per device, made on first use)."""
+    with _copy_streams_lock:
+        stream = _copy_streams.get(device)
+        if stream is None:
+            stream = _copy_streams[device] = torch.cuda.Stream(device)
+        return stream
+
+
+def gather_kv_into(kv: KVCache, block_table: Sequence[int], n_tokens: int, out: torch.Tensor) -> KVCopy:
+    """Start copying the KV of positions `[0, n_tokens)` out of a sequence's blocks into `out`.
+
+    `out` is a CPU tensor of `snapshot_shape(kv, n_tokens)`. On CUDA the gather and
+    the device->host copy run on the copy stream after the work queued so far on
+    the current stream (the steps that wrote these positions), and this returns at
+    once: the caller keeps the blocks referenced (nobody may write them) and `out`
+    unread until `done()`; `out` should be pinned, else the copy is synchronous. On
+    the CPU it is a plain copy, done when this returns.
+    """
+    if tuple(out.shape) != snapshot_shape(kv, n_tokens) or out.dtype != kv.data.dtype or out.device.type != "cpu":
+        raise ValueError(f"a host tensor {tuple(out.shape)} {out.dtype} on {out.device} cannot take the KV of "
+                         f"{n_tokens} positions {snapshot_shape(kv, n_tokens)} {kv.data.dtype}")
+    dev = kv.data.device
+    if dev.type == "cpu":
+        torch.index_select(kv.data, 2, _slot_index(kv, block_table, 0, n_tokens), out=out)
+        return KVCopy(None)
+    side = copy_stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))  # an event on the main stream, waited for on the side one
+    with torch.cuda.stream(side):
+        src = kv.data.index_select(2, _slot_index(kv, block_table, 0, n_tokens))
+        out.copy_(src, non_blocking=out.is_pinned())
+        event = torch.cuda.Event()
+        event.record(side)
+    return KVCopy(event)
+
+
 def gather_kv(kv: KVCache, block_table: Sequence[int], n_tokens: int, pin: bool | None = None) -> torch.Tensor:
-    """Copy the KV of positions `[0, n_tokens)` of a sequence out of its blocks.
+    """Copy the KV of positions `[0, n_tokens)` of a sequence out of its blocks, and wait for it.
 
     Returns a new contiguous CPU tensor `[layers, 2, n_tokens, kv_heads, head_dim]`
-    (pinned when the cache is on CUDA, unless `pin` says otherwise), complete when
-    this returns: a device cache is copied after the work already queued on the
-    current stream, which includes the forward passes that wrote these positions.
+    (pinned when the cache is on CUDA, unless `pin` says otherwise). For tools and
+    tests: the engine uses `gather_kv_into`, which does not wait.
     """
-    src = kv.data.index_select(2, _slot_index(kv, block_table, 0, n_tokens))
-    if src.device.type == "cpu":
-        return src
-    pin = True if pin is None else pin
-    out = _host_empty(src.shape, src.dtype, pin)
-    out.copy_(src, non_blocking=pin)
-    if pin:
-        torch.cuda.current_stream(src.device).synchronize()
+    if kv.data.device.type == "cpu":
+        return kv.data.index_select(2, _slot_index(kv, block_table, 0, n_tokens))
+    out = _host_empty(snapshot_shape(kv, n_tokens), kv.data.dtype, True if pin is None else pin)
+    gather_kv_into(kv, block_table, n_tokens, out).wait()
     return out
 
 
@@ -115,7 +187,14 @@ def scatter_kv(kv: KVCache, block_table: Sequence[int], snapshot_kv: torch.Tenso
         raise ValueError(f"positions [{start}, {end}) are outside a snapshot of {snapshot_kv.shape[2]} tokens")
     if start == end:
         return
-    src = snapshot_kv[:, :, start:end].to(d.device, non_blocking=snapshot_kv.is_pinned())
+    part = snapshot_kv[:, :, start:end]
+    if d.device.type == "cpu" or part.is_contiguous():
+        src = part.to(d.device, non_blocking=snapshot_kv.is_pinned())
+    else:  # one contiguous plane per layer and K/V: a strided host source would be staged through pageable memory
+        src = torch.empty(part.shape, dtype=part.dtype, device=d.device)
+        for layer in range(part.shape[0]):
+            for kv_i in range(2):
+                src[layer, kv_i].copy_(part[layer, kv_i], non_blocking=snapshot_kv.is_pinned())
     d.index_copy_(2, _slot_index(kv, block_table, start, end), src)
 
 
@@ -133,6 +212,7 @@ class Snapshot:
     hits: int = 0
     _order: int = 0  # recency for eviction (a counter: wall-clock times can tie)
     draft_kv: torch.Tensor | None = None  # the DFlash drafter's context KV of the same positions, if any
+    buffer: HostBuffer | None = None  # the host memory kv and draft_kv live in (a HostBufferPool's), if any
 
     @property
     def n_kv(self) -> int:
@@ -159,10 +239,15 @@ class SnapshotPool:
     """A fixed number of KV snapshot slots in host memory, with the eviction rule of its tier.
 
     `max_bytes` bounds the memory too (entries are evicted until a new one fits).
-    Not thread-safe: one thread (the engine's) uses a pool.
+    With `host`, entries live in buffers of that pool (returned to it on eviction).
+    An entry is either `put` (its KV already on the host), or `reserve`d before
+    its KV is copied (room is made, counted against slots and bytes, but lookups
+    do not see it) and `publish`ed once the copy is complete.
+    Not thread-safe: the caller serializes (`PrefixCache` holds its lock).
     """
 
-    def __init__(self, n_slots: int, kind: str, max_bytes: int | None = None, pin: bool | None = None) -> None:
+    def __init__(self, n_slots: int, kind: str, max_bytes: int | None = None, pin: bool | None = None,
+                 host: HostBufferPool | None = None) -> None:
         if kind not in KINDS:
             raise ValueError(f"unknown snapshot pool kind {kind!r} (choose from {', '.join(KINDS)})")
         if n_slots < 1:
@@ -170,8 +255,10 @@ class SnapshotPool:
         self.n_slots = n_slots
         self.kind = kind
         self.max_bytes = max_bytes
-        self.pin = torch.cuda.is_available() if pin is None else pin
+        self.pin = (host.pin if host is not None else torch.cuda.is_available()) if pin is None else pin
+        self.host = host
         self._entries: dict[str, Snapshot] = {}
+        self._reserved: dict[str, int] = {}  # key -> bytes of an entry whose copy is in flight
         self._order = 0
         self._hits = self._misses = self._evicted = 0
 
@@ -181,9 +268,13 @@ class SnapshotPool:
     def __contains__(self, key: str) -> bool:
         return key in self._entries
 
+    def pending(self, key: str) -> bool:
+        """Whether `key` is reserved: its copy is in flight, lookups miss it until it is published."""
+        return key in self._reserved
+
     @property
     def nbytes(self) -> int:
-        return sum(e.nbytes for e in self._entries.values())
+        return sum(e.nbytes for e in self._entries.values()) + sum(self._reserved.values())
 
     def _touch(self, entry: Snapshot) -> None:
         self._order += 1
@@ -220,37 +311,77 @@ class SnapshotPool:
         self._misses += 1
         return None
 
-    def put(self, key: str, tokens: Sequence[int] | np.ndarray, kv: torch.Tensor,
-            draft_kv: torch.Tensor | None = None) -> Snapshot | None:
-        """Store a snapshot (replacing one under the same key), evicting by the tier's rule.
+    def reserve(self, key: str, nbytes: int) -> bool:
+        """Make room for an entry of `nbytes` whose KV is still to be copied, evicting by the tier's rule.
 
-        A CPU tensor that is contiguous (and pinned, when this pool pins) is kept as
-        is, not copied: the caller must not write into it afterwards (`gather_kv`'s
-        result is such a tensor). `draft_kv` is a DFlash drafter's context KV of the
-        same positions (restored with the target's, so speculation works on a hit).
-        Returns None if it cannot fit `max_bytes` at all.
+        False, with nothing evicted, when it cannot fit: larger than `max_bytes`, or the
+        slots or bytes are taken by other reservations (or `key` is reserved already).
         """
-        kv = self._host_copy(kv)
-        if draft_kv is not None:
-            draft_kv = self._host_copy(draft_kv)
-            if draft_kv.shape[2] != kv.shape[2]:
-                raise ValueError(f"drafter KV of {draft_kv.shape[2]} positions for target KV of {kv.shape[2]}")
-        now = time.time()
-        entry = Snapshot(key, np.array(tokens, dtype=np.int32), kv, now, now, draft_kv=draft_kv)
-        if self.max_bytes is not None and entry.nbytes > self.max_bytes:
-            return None
-        self._entries.pop(key, None)
-        while self._entries and (len(self._entries) >= self.n_slots
-                                 or (self.max_bytes is not None and self.nbytes + entry.nbytes > self.max_bytes)):
+        taken = sum(self._reserved.values())
+        if (key in self._reserved or len(self._reserved) >= self.n_slots
+                or (self.max_bytes is not None and taken + nbytes > self.max_bytes)):
+            return False
+        self.remove(key)  # a put replaces the entry under the same key
+        while self._entries and (len(self._entries) + len(self._reserved) >= self.n_slots
+                                 or (self.max_bytes is not None and self.nbytes + nbytes > self.max_bytes)):
             self.remove(self._victim().key)
             self._evicted += 1
+        self._reserved[key] = nbytes
+        return True
+
+    def unreserve(self, key: str) -> None:
+        """Give up a reservation (its copy could not be made)."""
+        self._reserved.pop(key, None)
+
+    def publish(self, key: str, tokens: Sequence[int] | np.ndarray, kv: torch.Tensor,
+                draft_kv: torch.Tensor | None = None, buffer: HostBuffer | None = None) -> Snapshot | None:
+        """Make a reserved entry visible, its copy being complete; None if the reservation is gone (a clear).
+
+        The entry takes over the caller's reference to `buffer` (released on eviction), unless it returns None.
+        """
+        if self._reserved.pop(key, None) is None:
+            return None
+        now = time.time()
+        entry = Snapshot(key, np.array(tokens, dtype=np.int32), kv, now, now, draft_kv=draft_kv, buffer=buffer)
         self._touch(entry)
         self._entries[key] = entry
         return entry
 
+    def put(self, key: str, tokens: Sequence[int] | np.ndarray, kv: torch.Tensor,
+            draft_kv: torch.Tensor | None = None) -> Snapshot | None:
+        """Store a snapshot (replacing one under the same key), evicting by the tier's rule.
+
+        The size is checked before anything is copied or evicted. Without a host pool, a
+        CPU tensor that is contiguous (and pinned, when this pool pins) is kept as is, not
+        copied: the caller must not write into it afterwards (`gather_kv`'s result is such a
+        tensor); with one, the KV is copied into a buffer of it. `draft_kv` is a DFlash
+        drafter's context KV of the same positions (restored with the target's, so
+        speculation works on a hit). Returns None if it cannot fit.
+        """
+        for t in (kv, draft_kv):
+            if t is not None and (t.dim() != 5 or t.shape[1] != 2):
+                raise ValueError(f"a KV snapshot is [layers, 2, n, kv_heads, head_dim], not {tuple(t.shape)}")
+        if draft_kv is not None and draft_kv.shape[2] != kv.shape[2]:
+            raise ValueError(f"drafter KV of {draft_kv.shape[2]} positions for target KV of {kv.shape[2]}")
+        kv_bytes = kv.numel() * kv.element_size()
+        draft_bytes = draft_kv.numel() * draft_kv.element_size() if draft_kv is not None else 0
+        if not self.reserve(key, kv_bytes + draft_bytes + 4 * len(tokens)):
+            return None
+        buffer = None
+        if self.host is not None:
+            buffer = self.host.acquire(aligned(kv_bytes) + draft_bytes)
+            if buffer is None:
+                self.unreserve(key)
+                return None
+            kv = buffer.view(tuple(kv.shape), kv.dtype).copy_(kv)
+            if draft_kv is not None:
+                draft_kv = buffer.view(tuple(draft_kv.shape), draft_kv.dtype, aligned(kv_bytes)).copy_(draft_kv)
+        else:
+            kv = self._host_copy(kv)
+            draft_kv = self._host_copy(draft_kv) if draft_kv is not None else None
+        return self.publish(key, tokens, kv, draft_kv, buffer)
+
     def _host_copy(self, kv: torch.Tensor) -> torch.Tensor:
-        if kv.dim() != 5 or kv.shape[1] != 2:
-            raise ValueError(f"a KV snapshot is [layers, 2, n, kv_heads, head_dim], not {tuple(kv.shape)}")
         if kv.device.type == "cpu" and kv.is_contiguous() and (kv.is_pinned() or not self.pin):
             return kv
         out = _host_empty(kv.shape, kv.dtype, self.pin)
@@ -272,10 +403,15 @@ class SnapshotPool:
         return a is not b and n < len(b.tokens) and np.array_equal(a.tokens, b.tokens[:n])
 
     def remove(self, key: str) -> None:
-        self._entries.pop(key, None)
+        entry = self._entries.pop(key, None)
+        if entry is not None and entry.buffer is not None:
+            entry.buffer.release()
 
     def clear(self) -> None:
-        self._entries.clear()
+        """Drop every entry, and every reservation (a copy in flight then lands nowhere)."""
+        for key in list(self._entries):
+            self.remove(key)
+        self._reserved.clear()
 
     def entries(self) -> list[Snapshot]:
         """The entries, least recently used first."""

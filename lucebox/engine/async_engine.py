@@ -194,7 +194,9 @@ class AsyncEngine:
     def _thread_main(self) -> None:
         while not self._stopping:
             if not self._commands and not self.engine.has_work():
-                self._wake.wait(0.5)
+                cache = self.engine.cache
+                copying = cache.poll() if cache is not None else 0  # idle: still publish finished snapshots
+                self._wake.wait(0.002 if copying else 0.5)
                 self._wake.clear()
                 continue
             try:
@@ -235,6 +237,10 @@ class AsyncEngine:
                 gen.seq.forced_tokens = arg
         now = time.monotonic()
         outputs = self.engine.step() if self.engine.has_work() else []
+        if self.engine.cache is not None:
+            # Publish the snapshots whose copy is done (on the CPU: all of this step's) before the clients hear
+            # that their request finished; on CUDA a copy still in flight is published by a later step.
+            self.engine.cache.poll()
         for seq in self.engine.scheduler.running:  # admitted now or earlier: when it first got a step
             gen = self._active.get(seq.seq_id)
             if gen is not None and gen.timings.first_scheduled is None:

@@ -6,8 +6,12 @@ every shape and address, so a decode-only step is padded to a captured batch
 size and context bucket:
 - batch buckets 1, 2, 4, 8, then multiples of 8 up to `max_batch`;
 - context buckets: powers of two from 256 tokens up to the model's context.
-Graphs are captured lazily, the first time a bucket is used, into one shared
-memory pool.
+Every bucket is captured at start-up (`capture_all`, from `LLMEngine.warm_up`),
+largest first, into one shared memory pool: the intermediates of one graph are
+free for the next capture, so the pool holds about one graph's workspace, and
+every graph writes its outputs into one static buffer. After warm-up a capture
+while serving is a bug (a request waits for it): it is counted in
+`captures_after_ready` and logged as a warning.
 
 Per step the host packs token ids, positions, cache slots and block tables
 into one pinned buffer and copies it to the device in one transfer; the graph
@@ -20,12 +24,13 @@ Padding rows write their K/V into scratch block 0 and are dropped.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from lucebox.engine import triton_attention
-from lucebox.engine.attention import AttentionMetadata, AttnGroup, DecodeBatch
+from lucebox.engine.attention import AttentionMetadata, AttnGroup
 from lucebox.engine.sequence import Chunk
 
 log = logging.getLogger(__name__)
@@ -49,10 +54,25 @@ def batch_buckets(max_batch: int) -> list[int]:
     return small + list(range(8, max_batch + 8, 8)) if max_batch > 4 else small
 
 
+def ctx_buckets(max_ctx: int) -> list[int]:
+    """Every context bucket `pick_buckets` can return for contexts up to `max_ctx` (ascending)."""
+    out, c = [], MIN_CTX
+    while c < max_ctx:
+        out.append(c)
+        c *= 2
+    return out + [max(max_ctx, MIN_CTX)]
+
+
+def all_buckets(batches: list[int], max_ctx: int) -> list[tuple[int, int]]:
+    """Every (batch, context) bucket a configuration can reach, largest first (the capture order: later,
+    smaller graphs reuse the shared pool memory the first ones freed)."""
+    return [(b, c) for b in sorted(batches, reverse=True) for c in reversed(ctx_buckets(max_ctx))]
+
+
 class _Graph:
     def __init__(self, graph: torch.cuda.CUDAGraph, logits: torch.Tensor, tokens: torch.Tensor) -> None:
         self.graph = graph
-        self.logits = logits
+        self.logits = logits  # views of the decoder's static output buffers
         self.tokens = tokens
 
 
@@ -78,7 +98,10 @@ class CudaGraphDecoder:
         self.host = torch.zeros(size, dtype=torch.long, pin_memory=True)
         self.host_np = self.host.numpy()
         self.dev = torch.zeros(size, dtype=torch.long, device=self.device)
-        self.kpos = torch.arange(self.max_ctx, device=self.device)
+        self.out_logits: torch.Tensor | None = None  # [bmax, vocab], made at the first capture
+        self.out_tokens = torch.zeros(b, dtype=torch.long, device=self.device)
+        self.ready = False  # set by the engine's warm-up; a capture after it is counted
+        self.captures_after_ready = 0
 
     def _views(self, t: torch.Tensor, batch: int, c: int) -> tuple[torch.Tensor, ...]:
         b, nb = self.bmax, self.nbmax
@@ -87,6 +110,21 @@ class CudaGraphDecoder:
 
     def buckets_for(self, n: int, ctx: int) -> tuple[int, int] | None:
         return pick_buckets(self.batches, self.max_ctx, n, ctx)
+
+    def buckets(self) -> list[tuple[int, int]]:
+        """Every bucket a decode step can reach, in capture order."""
+        return all_buckets(self.batches, self.max_ctx)
+
+    def capture_all(self, advance: Callable[[int], None] | None = None) -> int:
+        """Capture every bucket not captured yet (start-up); returns how many were captured."""
+        n = 0
+        for key in self.buckets():
+            if key not in self.graphs:
+                self.graphs[key] = self._capture(*key)
+                n += 1
+            if advance is not None:
+                advance(1)
+        return n
 
     def run(self, chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(logits [n, vocab], argmax tokens [n]) for a decode-only step, or None if no bucket fits."""
@@ -97,6 +135,9 @@ class CudaGraphDecoder:
         self._fill(chunks)
         g = self.graphs.get(buckets)
         if g is None:
+            if self.ready:
+                self.captures_after_ready += 1
+                log.warning("decode graph batch=%d ctx=%d captured while serving (the warm-up missed it)", *buckets)
             g = self._capture(*buckets)
             self.graphs[buckets] = g
         g.graph.replay()
@@ -120,13 +161,7 @@ class CudaGraphDecoder:
     def _meta(self, batch: int, c: int) -> AttentionMetadata:
         ids, pos, slots, tables = self._views(self.dev, batch, c)
         window = self.cfg.sliding_window if self.cfg.has_sliding_layers else None
-        if self.use_kernel:
-            return AttentionMetadata(slots, decode=DecodeBatch(tables, pos, c, self.page), window=window)
-        kp = self.kpos[:c]
-        gather = tables[:, kp // self.page] * self.page + kp % self.page
-        mask = (kp[None, :] <= pos[:, None])[:, None, None, :]
-        sliding = mask & ((pos[:, None] - kp[None, :]) < window)[:, None, None, :] if window else None
-        return AttentionMetadata(slots, [AttnGroup(0, batch, 1, gather, mask, sliding)])
+        return AttentionMetadata(slots, self.page, [AttnGroup(0, batch, 1, c, tables, pos + 1, pos)], window)
 
     @torch.inference_mode()
     def _forward(self, batch: int, c: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,10 +176,16 @@ class CudaGraphDecoder:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(2):  # warm-up outside the graph (kernel compilation, cuBLAS handles)
-                self._forward(batch, c)
+                logits, _ = self._forward(batch, c)
         torch.cuda.current_stream(self.device).wait_stream(stream)
+        if self.out_logits is None:
+            self.out_logits = torch.zeros(self.bmax, logits.shape[-1], dtype=logits.dtype, device=self.device)
+        del logits
+        out_logits, out_tokens = self.out_logits[:batch], self.out_tokens[:batch]
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             logits, tokens = self._forward(batch, c)
+            out_logits.copy_(logits)
+            out_tokens.copy_(tokens)
         log.debug("captured decode graph batch=%d ctx=%d (triton kernel: %s)", batch, c, self.use_kernel)
-        return _Graph(graph, logits, tokens)
+        return _Graph(graph, out_logits, out_tokens)

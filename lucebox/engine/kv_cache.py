@@ -95,17 +95,3 @@ class KVCache:
         bs = self.block_size
         return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
 
-
-def gather_index(tables: list[list[int]], ctx: int, block_size: int) -> torch.Tensor:
-    """[G, ctx] cache slot of each position 0..ctx-1 of each block table, on the CPU.
-
-    Positions past a table's end map into block 0 (scratch); callers mask them.
-    """
-    n_blocks = -(-ctx // block_size)
-    bt = torch.zeros(len(tables), n_blocks, dtype=torch.long)
-    for i, t in enumerate(tables):
-        t = t[:n_blocks]
-        if t:
-            bt[i, : len(t)] = torch.tensor(t, dtype=torch.long)
-    pos = torch.arange(ctx)
-    return bt[:, pos // block_size] * block_size + pos % block_size

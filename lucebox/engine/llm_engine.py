@@ -8,6 +8,7 @@ model or the KV cache.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lucebox.engine.cuda_graphs import batch_buckets
 from lucebox.engine.kv_cache import KVCache
 from lucebox.engine.loader import LoadedModel, load_model
 from lucebox.engine.model_runner import ModelRunner, is_decode
@@ -25,6 +27,7 @@ from lucebox.errors import LuceboxError
 
 if TYPE_CHECKING:
     from lucebox.cache.manager import PrefixCache
+    from lucebox.engine.memory_plan import MemoryPlan
     from lucebox.engine.spec.dflash import SpecDecoder
 
 log = logging.getLogger(__name__)
@@ -41,7 +44,8 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto (fp32 on CPU, bf16 on CUDA) | float32 | bfloat16 | float16
     n_ctx: int | None = None  # context length; None = the model's
-    kv_tokens: int | None = None  # KV pool size in tokens; None = sized from memory
+    kv_tokens: int | None = None  # KV pool size in tokens; None = sized from memory (memory_plan.py on CUDA)
+    gpu_memory: float | None = None  # GB this process may use on a CUDA device; None = what is free
     block_size: int = 16
     max_num_seqs: int = 64
     max_step_tokens: int = 2048  # prefill chunk budget per step
@@ -83,10 +87,33 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.device = loaded.device
         self.n_ctx = min(self.config.n_ctx or loaded.config.max_position, loaded.config.max_position)
-        kv_tokens = self.config.kv_tokens or self._default_kv_tokens()
         block_size = self.config.block_size
-        num_blocks = max(2, -(-kv_tokens // block_size) + 1)
-        self.kv = KVCache.create(loaded.config, num_blocks, block_size, loaded.dtype, self.device)
+        self.memory_plan: MemoryPlan | None = None
+        self.warm_up_seconds: float | None = None  # set by warm_up
+        self.warm_up_end: float | None = None  # time.monotonic() when the warm-up ended (ready to serve)
+        # The drafter loads first, so the memory plan counts its weights and its share of each KV block.
+        drafter = self._load_drafter(Path(self.config.draft)) if self.config.draft else None
+        if self.device.type == "cuda" and (self.config.kv_tokens is None or self.config.gpu_memory is not None):
+            self.memory_plan = self._plan_memory(drafter)
+        elif self.config.gpu_memory is not None:
+            log.warning("--gpu-memory applies to CUDA devices; ignored on %s", self.device)
+        if self.config.kv_tokens:
+            num_blocks = max(2, -(-self.config.kv_tokens // block_size) + 1)
+            plan = self.memory_plan
+            if plan is not None and plan.capped and num_blocks > plan.blocks:
+                need = num_blocks * plan.block_bytes / 2**30
+                raise LuceboxError(f"--kv-tokens {self.config.kv_tokens} needs {need:.2f} "
+                                   f"GB of KV cache; --gpu-memory leaves {plan.kv_bytes / 2**30:.2f} GB "
+                                   f"({plan.kv_tokens} tokens)")
+        elif self.memory_plan is not None:
+            num_blocks = self.memory_plan.blocks
+        else:
+            num_blocks = max(2, -(-self._default_kv_tokens() // block_size) + 1)
+        try:
+            self.kv = KVCache.create(loaded.config, num_blocks, block_size, loaded.dtype, self.device)
+        except torch.cuda.OutOfMemoryError:
+            raise LuceboxError(f"a KV cache of {num_blocks * block_size} tokens does not fit in device memory "
+                               "(lower --kv-tokens or --ctx-size)") from None
         self.runner = ModelRunner(loaded.model, self.kv)
         if self.config.cuda_graphs:
             self.runner.enable_cuda_graphs(self.config.max_num_seqs, self.n_ctx)
@@ -103,7 +130,7 @@ class LLMEngine:
         self.cache: PrefixCache | None = None
         if self.config.draft:
             self.enable_speculation(Path(self.config.draft), ddtree=self.config.ddtree,
-                                    budget=self.config.ddtree_budget)
+                                    budget=self.config.ddtree_budget, drafter=drafter)
         log.info("KV cache: %d blocks x %d tokens (%.0f MiB)", num_blocks, block_size,
                  self.kv.data.numel() * self.kv.data.element_size() / 2**20)
 
@@ -113,20 +140,36 @@ class LLMEngine:
         device = config.resolve_device()
         if config.weights not in WEIGHTS:
             raise LuceboxError(f"--weights is {config.weights}; choose from {', '.join(WEIGHTS)}")
-        loaded = load_model(Path(path), device=device, dtype=config.resolve_dtype(device), quiet=quiet,
-                            quantized=WEIGHTS[config.weights])
+        if config.gpu_memory is not None and device.type == "cuda":
+            from lucebox.engine.memory_plan import apply_cap
+
+            apply_cap(device, config.gpu_memory)  # before loading, so the weights count against it
+        try:
+            loaded = load_model(Path(path), device=device, dtype=config.resolve_dtype(device), quiet=quiet,
+                                quantized=WEIGHTS[config.weights])
+        except torch.cuda.OutOfMemoryError:
+            if config.gpu_memory is None:
+                raise
+            raise LuceboxError(f"loading the model's weights needs more than --gpu-memory {config.gpu_memory:g} GB "
+                               "on the device") from None
         return cls(loaded, config)
 
-    def enable_speculation(self, draft: Path, *, ddtree: bool = False, budget: int = 22) -> None:
-        """Load a DFlash drafter for this target; decode steps then draft and verify."""
+    def enable_speculation(self, draft: Path, *, ddtree: bool = False, budget: int = 22,
+                           drafter: Any = None) -> None:
+        """Load a DFlash drafter for this target (unless `drafter` is it, loaded already); decode steps then
+        draft and verify. EngineConfig.draft does this at construction, inside the memory plan."""
         from lucebox.engine.spec.dflash import SpecDecoder
-        from lucebox.engine.spec.drafter import load_drafter
 
-        drafter = load_drafter(draft, self.model_config, self.device, self.loaded.dtype)
+        drafter = drafter if drafter is not None else self._load_drafter(draft)
         self.set_speculation(SpecDecoder(drafter, self.loaded.model, self.kv, ddtree=ddtree, budget=budget))
         self.draft_path = Path(draft)
         log.info("speculative decoding: DFlash drafter %s (%d layers, block %d)%s", draft,
                  drafter.cfg.num_layers, drafter.cfg.block_size, f", DDTree budget {budget}" if ddtree else "")
+
+    def _load_drafter(self, draft: Path) -> Any:
+        from lucebox.engine.spec.drafter import load_drafter
+
+        return load_drafter(draft, self.model_config, self.device, self.loaded.dtype)
 
     def enable_prefix_cache(self, cfg: Any, template: Any = None) -> None:
         """Tiered prefix cache (lucebox.cache): GPU blocks, RAM snapshots, optional disk.
@@ -176,14 +219,124 @@ class LLMEngine:
             spec.static = StaticSpec(spec, self.config.max_num_seqs, self.n_ctx)
 
     def _default_kv_tokens(self) -> int:
-        """Room for a few full-context sequences, within a memory budget."""
+        """Host RAM (CPU devices): room for a few full-context sequences within 1 GiB, leaving room for
+        everything else. CUDA devices are sized by `_plan_memory`."""
         per_token = KVCache.bytes_per_token(self.model_config, self.loaded.dtype)
+        return max(self.config.block_size * 2, min(4 * self.n_ctx, (1 << 30) // per_token))
+
+    def _plan_memory(self, drafter: Any = None) -> MemoryPlan:
+        """The KV pool's size on a CUDA device: the budget (the --gpu-memory cap, or in use + free) less the
+        weights, a measured activation peak and the graph pool (lucebox.engine.memory_plan); logged in one line.
+        Without a cap the pool holds at most 4 full contexts, leaving the rest to a scorer, a drafter or a
+        benchmark's reference model loaded next to it. A drafter (loaded already) adds its context K/V to
+        every block, and its CUDA graphs' outputs (one set per batch bucket) to the graph margin."""
+        from lucebox.engine import memory_plan as mp
+
+        cfg, dev = self.config, self.device
+        cap = mp.apply_cap(dev, cfg.gpu_memory) if cfg.gpu_memory is not None else None
+        torch.cuda.synchronize(dev)
+        weights = torch.cuda.memory_allocated(dev)
+        free, _ = torch.cuda.mem_get_info(dev)
+        budget = cap if cap is not None else torch.cuda.memory_reserved(dev) + int(free * mp.UNCAPPED_SHARE)
+        per_token = KVCache.bytes_per_token(self.model_config, self.loaded.dtype)
+        spec_outputs = 0
+        if drafter is not None:
+            dc, size = drafter.cfg, torch.tensor([], dtype=self.loaded.dtype).element_size()
+            per_token += dc.num_layers * 2 * dc.num_kv_heads * dc.head_dim * size
+            # verify graphs: logits (fp32 at most) and the captured target layers, for every row of a batch
+            # bucket (rows per step: at most the block or tree budget, the block size bounds the chain)
+            rows = max(dc.block_size, cfg.ddtree_budget + 1 if cfg.ddtree else 0)
+            mc = self.model_config
+            row_bytes = mc.vocab_size * 4 + len(dc.target_layer_ids) * mc.hidden_size * size
+            spec_outputs = sum(batch_buckets(cfg.max_num_seqs)) * rows * row_bytes
+        chunk = min(cfg.max_step_tokens, self.n_ctx)
+        # The probe pool: the largest chunk over a chunk of context (4096 tokens at least), within a quarter
+        # of what the weights leave.
+        probe = max(chunk, min(self.n_ctx, max(2 * chunk, 4096), max(budget - weights, 0) // 4 // per_token))
+        try:
+            measured = mp.measure_activations(self.loaded.model, self.loaded.dtype, dev, block_size=cfg.block_size,
+                                              chunk=chunk, batch=cfg.max_num_seqs, n_ctx=self.n_ctx,
+                                              probe_tokens=probe, graphs=cfg.cuda_graphs)
+        except torch.cuda.OutOfMemoryError:
+            where = f"--gpu-memory {cfg.gpu_memory:g} GB" if cap is not None else "the free device memory"
+            raise LuceboxError(f"a {chunk}-token prefill chunk does not fit next to the weights "
+                               f"({weights / mp.GB:.2f} GB) in {where}: lower --max-step-tokens") from None
+        activations = max(mp.extrapolate_peak(measured.prefill, self.n_ctx), measured.decode)
+        # One decode graph's workspace (the graphs share one pool) plus the static outputs: twice the step.
+        graphs = 2 * measured.graph + spec_outputs + mp.slack(budget)
+        plan = mp.plan_memory(budget=budget, capped=cap is not None, weights=weights, activations=activations,
+                              graphs=graphs, block_bytes=per_token * cfg.block_size, block_size=cfg.block_size,
+                              min_tokens=chunk, max_tokens=None if cap is not None else 4 * self.n_ctx)
+        log.info("%s", plan.line())
+        return plan
+
+    # ----- start-up warm-up (lucebox.engine.warmup) --------------------------
+
+    def warm_up(self, progress: bool = True) -> float:
+        """Capture every CUDA graph bucket this configuration can reach and run every eager shape class once,
+        so no request waits for a capture or a Triton compile; returns the seconds taken (also logged).
+        On the CPU (no graphs, no JIT) one short request. The engine must be idle."""
+        from lucebox.engine import warmup
+        from lucebox.progress import Progress
+
+        t = time.monotonic()
+        graphs = self.runner.graphs
+        static = self.spec.static if self.spec is not None else None
         if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free * 0.5)
+            warmup.COMPILES.install()
+            limit = min(self.n_ctx - 4, (self.kv.pool.num_blocks - 2) * self.kv.block_size - 4)
+            lengths = warmup.shape_lengths(min(self.config.max_step_tokens, limit), limit)
+            total = (len(graphs.buckets()) if graphs else 0) + (len(static.graph_keys()) if static else 0)
+            bar = Progress("warm-up", total + len(lengths), "steps", quiet=not progress)
+            self._tune_quant_kernels()  # first: a graph keeps the launch config it was captured with
+            captured = graphs.capture_all(bar.advance) if graphs else 0
+            captured_spec = static.capture_all(bar.advance) if static else 0
+            steps = warmup.warm_requests(self, lengths, bar.advance)
+            torch.cuda.synchronize(self.device)
+            bar.close()
         else:
-            budget = 1 << 30  # host RAM: leave room for everything else
-        return max(self.config.block_size * 2, min(4 * self.n_ctx, budget // per_token))
+            captured = captured_spec = 0
+            steps = warmup.warm_requests(self, [1])
+        for g in (graphs, static):
+            if g is not None:
+                g.ready = True
+        self._compiles_at_ready = warmup.COMPILES.count
+        warmup.COMPILES.armed = self.device.type == "cuda"
+        self.warm_up_end = time.monotonic()
+        self.warm_up_seconds = self.warm_up_end - t
+        log.info("warm-up: %d decode graphs, %d speculative graphs captured, %d steps of every shape class, "
+                 "in %.1fs", captured, captured_spec, steps, self.warm_up_seconds)
+        return self.warm_up_seconds
+
+    def _tune_quant_kernels(self) -> None:
+        """Pick the quantized matmul kernels' launch configs for this model's weight shapes (timed once)."""
+        from lucebox.engine.quant import linear
+
+        linear.warm_up(self.loaded.model)
+
+    @property
+    def captures_after_ready(self) -> int:
+        """CUDA graphs captured after the warm-up (each one made a request wait): 0 unless it missed a bucket."""
+        static = self.spec.static if self.spec is not None else None
+        return sum(g.captures_after_ready for g in (self.runner.graphs, static) if g is not None)
+
+    @property
+    def compiles_after_ready(self) -> int:
+        """Triton kernels compiled in this process since the warm-up: 0 unless it missed a shape."""
+        from lucebox.engine.warmup import COMPILES
+
+        at = getattr(self, "_compiles_at_ready", None)
+        return 0 if at is None else COMPILES.count - at
+
+    def warm_up_props(self) -> dict[str, Any]:
+        """/props `warm_up`: whether it ran, how long it took, and what was compiled or captured after it."""
+        graphs = self.runner.graphs
+        static = self.spec.static if self.spec is not None else None
+        return {"done": self.warm_up_end is not None,
+                "seconds": round(self.warm_up_seconds, 3) if self.warm_up_seconds is not None else None,
+                "decode_graphs": len(graphs.graphs) if graphs else 0,
+                "spec_graphs": len(static.graphs) if static else 0,
+                "captures_after_ready": self.captures_after_ready, "compiles_after_ready": self.compiles_after_ready}
 
     # ----- requests ----------------------------------------------------------
 

@@ -3,20 +3,23 @@
 The runner owns the model and the KV tensors. For each step it lays the rows
 out flat — decode rows first (one batched attention group), then the
 speculative verification rows (one batched group, q_len = block or tree
-size, tree masks), then one group per prefill chunk — builds the slot
-mapping, gather indices and masks once, runs the model, and returns the
-logits of the rows that sample (and, for DFlash, the chosen layers' outputs).
+size, tree masks), then one group per prefill chunk — packs the ids,
+positions, slot mapping and the compact attention metadata (block tables,
+context lengths, tree bitmasks) on the host into one array sent to the device
+in one transfer, runs the model, and returns the logits of the rows that
+sample (and, for DFlash, the chosen layers' outputs).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from lucebox.engine.attention import AttentionMetadata, AttnGroup
+from lucebox.engine.attention import AttentionMetadata, AttnGroup, pad_tables, tree_bits
 from lucebox.engine.cuda_graphs import CudaGraphDecoder
-from lucebox.engine.kv_cache import KVCache, gather_index
+from lucebox.engine.kv_cache import KVCache
 from lucebox.engine.models import DecoderModel
 from lucebox.engine.sequence import Chunk
 
@@ -65,6 +68,7 @@ class ModelRunner:
         self.kv = kv
         self.device = kv.data.device
         self.graphs: CudaGraphDecoder | None = None
+        self._staging = _Staging(self.device)
 
     def enable_cuda_graphs(self, max_batch: int, max_ctx: int) -> None:
         """Replay decode-only steps from captured CUDA graphs (CUDA devices only)."""
@@ -78,116 +82,73 @@ class ModelRunner:
     # ----- input preparation -------------------------------------------------
 
     def prepare(self, chunks: list[Chunk]) -> StepInputs:
+        """The step's inputs and compact attention metadata, packed on the host (numpy, per chunk)
+        into one int64 array and sent to the device in one transfer."""
         decodes = [c for c in chunks if is_decode(c)]
         verifies = [c for c in chunks if c.verify]
         prefills = [c for c in chunks if not is_decode(c) and not c.verify]
         if len({c.n for c in verifies}) > 1:
             raise ValueError("verification chunks of one step must have the same size")
         order = decodes + verifies + prefills
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
+        bs = self.kv.block_size
+        tables = [np.asarray(c.seq.block_table, dtype=np.int64) for c in order]
+        ids: list[np.ndarray] = []
+        pos: list[np.ndarray] = []
+        slots: list[np.ndarray] = []
         logit_rows: list[int] = []
         row_starts: list[int] = []
         logit_starts: list[int] = []
-        for c in order:
-            row_starts.append(len(ids))
-            ids.extend(c.input_ids())
-            pos.extend(c.start + d for d in c.depths())
-            slots.extend(self.kv.slots(c.seq.block_table, c.start, c.start + c.n))
+        row = 0
+        for c, table in zip(order, tables):
+            row_starts.append(row)
+            ids.append(np.asarray(c.input_ids(), dtype=np.int64))
+            pos.append(c.start + (np.arange(c.n) if c.parents is None else np.asarray(c.depths())))
+            k = np.arange(c.start, c.start + c.n)
+            slots.append(table[k // bs] * bs + k % bs)
+            row += c.n
             if c.verify:
                 logit_starts.append(len(logit_rows))
-                logit_rows.extend(range(len(ids) - c.n, len(ids)))
+                logit_rows.extend(range(row - c.n, row))
             elif c.wants_logits:
                 logit_starts.append(len(logit_rows))
-                logit_rows.append(len(ids) - 1)
+                logit_rows.append(row - 1)
             else:
                 logit_starts.append(-1)
-        meta = AttentionMetadata(slot_mapping=self._tensor(slots))
-        row = 0
+        parts = [*ids, *pos, *slots, np.asarray(logit_rows, dtype=np.int64)]
+        # Attention groups: (first row, indices into `order`, has a draft tree); each adds its block
+        # tables [n_seqs, blocks], context lengths [n_seqs] and, for trees, ancestor bits [rows].
+        groups: list[tuple[int, list[int], bool]] = []
+        i = 0
         if decodes:
-            meta.groups.append(self._batched_group(row, decodes, q_len=1))
-            row += len(decodes)
+            groups.append((0, list(range(len(decodes))), False))
+            i = len(decodes)
         if verifies:
-            meta.groups.append(self._verify_group(row, verifies))
-            row += sum(c.n for c in verifies)
-        for c in prefills:
-            meta.groups.append(self._prefill_group(row, c))
-            row += c.n
-        return StepInputs(self._tensor(ids), self._tensor(pos), meta, self._tensor(logit_rows), order,
-                          row_starts, logit_starts)
-
-    def _tensor(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
-
-    def _batched_group(self, row_start: int, chunks: list[Chunk], q_len: int) -> AttnGroup:
-        """Sequences that each add `q_len` rows after a cached context."""
-        ctx = [c.start + c.n for c in chunks]
-        max_ctx = max(ctx)
-        gather = self.gather_index([c.seq.block_table for c in chunks], max_ctx)
-        ctx_t = torch.tensor(ctx, dtype=torch.long)
-        q_pos = torch.stack([torch.arange(c.start, c.start + q_len) for c in chunks])  # [G, q_len]
-        mask, mask_sliding = self.causal_masks(q_pos, ctx_t, max_ctx)
-        return AttnGroup(row_start, len(chunks), q_len, self._dev(gather), self._dev(mask), self._dev(mask_sliding))
-
-    def _verify_group(self, row_start: int, chunks: list[Chunk]) -> AttnGroup:
-        """Draft rows after a cached context: row i sees the context and its tree ancestors (and itself).
-
-        Row i of sequence g sits in cache slot `start + i` but at RoPE position
-        `start + depth(i)`; a chain is the tree whose ancestors are all earlier rows.
-        """
-        n = chunks[0].n
-        max_ctx = max(c.start + n for c in chunks)
-        gather = self.gather_index([c.seq.block_table for c in chunks], max_ctx)
-        k_idx = torch.arange(max_ctx)
-        masks, slides = [], []
-        for c in chunks:
-            depth = torch.tensor(c.depths())
-            anc = ancestor_matrix(c.parents if c.parents is not None else list(range(-1, n - 1)))
-            allowed = torch.zeros(n, max_ctx, dtype=torch.bool)
-            allowed[:, : c.start] = True
-            allowed[:, c.start: c.start + n] = anc
-            masks.append(allowed)
-            if self.cfg.has_sliding_layers:
-                q_pos = c.start + depth
-                k_pos = torch.where(k_idx < c.start, k_idx, c.start + depth[(k_idx - c.start).clamp(0, n - 1)])
-                slides.append(allowed & ((q_pos[:, None] - k_pos[None, :]) < self.cfg.sliding_window))
-        mask = torch.stack(masks)[:, None]
-        sliding = torch.stack(slides)[:, None] if slides else None
-        return AttnGroup(row_start, len(chunks), n, self._dev(gather), self._dev(mask), self._dev(sliding))
-
-    def _prefill_group(self, row_start: int, c: Chunk) -> AttnGroup:
-        q_pos = torch.arange(c.start, c.start + c.n)[None]
-        window = self.cfg.sliding_window if self.cfg.has_sliding_layers else None
-        if c.start == 0:
-            # Fresh prompt: attend to own rows; causal via is_causal, window via a mask.
-            sliding = None
-            if window is not None and c.n > window:
-                sliding = self.causal_masks(q_pos, torch.tensor([c.n]), c.n)[1]
-            return AttnGroup(row_start, 1, c.n, None, None, self._dev(sliding))
-        ctx = c.start + c.n
-        gather = self.gather_index([c.seq.block_table], ctx)
-        mask, mask_sliding = self.causal_masks(q_pos, torch.tensor([ctx]), ctx)
-        return AttnGroup(row_start, 1, c.n, self._dev(gather), self._dev(mask), self._dev(mask_sliding))
-
-    def gather_index(self, tables: list[list[int]], ctx: int) -> torch.Tensor:
-        """[G, ctx] slot of each key position (block 0, scratch, past a table's end), on the CPU."""
-        return gather_index(tables, ctx, self.kv.block_size)
-
-    def causal_masks(
-        self, q_pos: torch.Tensor, ctx: torch.Tensor, max_ctx: int
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """[G, 1, q, max_ctx] masks on the CPU: full-attention layers, and sliding layers if any."""
-        k_pos = torch.arange(max_ctx)[None, None, :]
-        q = q_pos[:, :, None]
-        allowed = (k_pos <= q) & (k_pos < ctx[:, None, None])
-        sliding = None
-        if self.cfg.has_sliding_layers:
-            sliding = (allowed & (q - k_pos < self.cfg.sliding_window))[:, None]
-        return allowed[:, None], sliding
-
-    def _dev(self, t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t.to(self.device, non_blocking=True)
+            idx = list(range(i, i + len(verifies)))
+            groups.append((row_starts[i], idx, any(order[j].parents is not None for j in idx)))
+            i += len(verifies)
+        groups.extend((row_starts[j], [j], False) for j in range(i, len(order)))
+        for _, idx, has_tree in groups:
+            ctx = [order[j].start + order[j].n for j in idx]
+            parts.append(pad_tables([tables[j] for j in idx], -(-max(ctx) // bs)).ravel())
+            parts.append(np.asarray(ctx, dtype=np.int64))
+            if has_tree:
+                parts.extend(tree_bits(order[j].parents or list(range(-1, order[j].n - 1))) for j in idx)
+        dev = self._staging.to_device(parts)
+        take = _Taker(dev)
+        input_ids, positions, slot_mapping, logits_t = take(row), take(row), take(row), take(len(logit_rows))
+        meta = AttentionMetadata(slot_mapping, bs, window=self.cfg.sliding_window if self.cfg.has_sliding_layers
+                                 else None)
+        for first, idx, has_tree in groups:
+            c0 = order[idx[0]]
+            n_seqs, q_len = len(idx), c0.n
+            max_ctx = max(order[j].start + order[j].n for j in idx)
+            bt = take(n_seqs * -(-max_ctx // bs)).view(n_seqs, -1)
+            ctx_lens = take(n_seqs)
+            tree = take(n_seqs * q_len) if has_tree else None
+            meta.groups.append(AttnGroup(first, n_seqs, q_len, max_ctx, bt, ctx_lens,
+                                         positions[first: first + n_seqs * q_len], tree,
+                                         fresh=c0.start == 0 and not c0.verify))
+        return StepInputs(input_ids, positions, meta, logits_t, order, row_starts, logit_starts)
 
     # ----- execution ---------------------------------------------------------
 
@@ -239,11 +200,41 @@ class ModelRunner:
         return self._stream
 
 
-def ancestor_matrix(parents: list[int]) -> torch.Tensor:
-    """[n, n] bool: entry (i, j) is True when row j is row i or one of its ancestors (parents precede children)."""
-    n = len(parents)
-    anc = torch.eye(n, dtype=torch.bool)
-    for i, p in enumerate(parents):
-        if p >= 0:
-            anc[i] |= anc[p]
-    return anc
+
+class _Taker:
+    """Consecutive views of the step's one device array, in the order `prepare` packed them."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+        self.at = 0
+
+    def __call__(self, n: int) -> torch.Tensor:
+        self.at += n
+        return self.t[self.at - n: self.at]
+
+
+class _Staging:
+    """The step's one host->device copy, through pinned buffers that are reused once their copy is done."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.bufs: list[torch.Tensor | None] = [None, None]
+        self.events: list[torch.cuda.Event | None] = [None, None]
+        self.i = 0
+
+    def to_device(self, parts: list[np.ndarray]) -> torch.Tensor:
+        if self.device.type != "cuda":
+            return torch.from_numpy(np.concatenate(parts) if parts else np.zeros(0, np.int64)).to(self.device)
+        size = sum(p.size for p in parts)
+        self.i = i = 1 - self.i
+        event, buf = self.events[i], self.bufs[i]
+        if event is not None:
+            event.synchronize()  # the copy that last read this buffer has finished
+        if buf is None or buf.numel() < size:
+            buf = self.bufs[i] = torch.empty(max(size, 2 * (0 if buf is None else buf.numel()), 4096),
+                                             dtype=torch.long, pin_memory=True)
+        np.concatenate(parts, out=buf.numpy()[:size])
+        dev = buf[:size].to(self.device, non_blocking=True)
+        event = self.events[i] = torch.cuda.Event()
+        event.record()
+        return dev

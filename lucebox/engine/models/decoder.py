@@ -9,27 +9,40 @@ e.g. mixture-of-experts, gets its own file here).
 Parameter names are the GGUF tensor names (`blk.0.attn_q.weight` …), so a
 GGUF state dict loads as is and HF folders are mapped to them at load.
 
-Two paths compute the same thing. The eager one (`DecoderBlock.forward`'s
-body) is the reference and the CPU path. On CUDA (`triton_ops.use_kernels`)
-`forward_fused` runs the small ops as fused Triton kernels, about 10 kernels
-a layer instead of 22: it carries the residual stream as (sublayer output,
-residual) so that each residual add happens inside the next norm's kernel.
+Two paths compute the same thing. The eager one (`DecoderBlock.forward_with`:
+`qkv`, a caller's attention, `after_attention`) is the reference and the CPU
+path, and the only copy of the block's math outside the kernels: the PFlash
+scorer runs these methods with its own (dense or block-sparse) attention, and
+the drafter trainer's target features come from `DecoderModel.forward`. On
+CUDA (`triton_ops.use_kernels`) `forward_fused` runs the small ops as fused
+Triton kernels, about 10 kernels a layer instead of 22: it carries the
+residual stream as (sublayer output, residual) so that each residual add
+happens inside the next norm's kernel.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from lucebox.engine import triton_ops as ops
 from lucebox.engine.attention import AttentionMetadata, paged_attention
 from lucebox.engine.config import ModelConfig
-from lucebox.engine.models.layers import Embedding, Linear, RMSNorm, Rotary, apply_rotary, fuse_linears, rope_inv_freq
+from lucebox.engine.models.layers import (
+    Embedding,
+    Linear,
+    RMSNorm,
+    Rotary,
+    apply_rotary,
+    fuse_linears,
+    gated_act,
+    rope_inv_freq,
+)
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, head_dim]
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (q, k, v) -> attention output
 
 
 class DecoderBlock(nn.Module):
@@ -40,6 +53,7 @@ class DecoderBlock(nn.Module):
         h, bias = cfg.hidden_size, cfg.attention_bias
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.sliding = cfg.layer_types[layer] == "sliding" and cfg.sliding_window is not None
+        self.window = cfg.sliding_window if self.sliding else None  # what a sliding layer's queries see
         self.scale = cfg.attn_scale if cfg.attn_scale is not None else cfg.head_dim**-0.5
         self.act = cfg.hidden_act
         self.attn_norm = RMSNorm(h, cfg.rms_norm_eps)
@@ -64,22 +78,44 @@ class DecoderBlock(nn.Module):
         self.ffn_gate_up = fuse_linears([self.ffn_gate, self.ffn_up])
         del self.attn_q, self.attn_k, self.attn_v, self.ffn_gate, self.ffn_up
 
+    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k (q/k-normed, not yet rotated) and v of the normed input x, each [T, heads, head_dim].
+
+        The PFlash scorer reads q and k here, before RoPE."""
+        hq, hkv = self.num_heads, self.num_kv_heads
+        qkv = self.attn_qkv(x).view(x.shape[0], hq + 2 * hkv, self.head_dim)
+        q, k, v = qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
+        if hasattr(self, "attn_q_norm"):
+            q, k = self.attn_q_norm(q), self.attn_k_norm(k)
+        return q, k, v
+
     def qkv(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Projected, normed and rotated q/k, and v, each [T, heads, head_dim]."""
-        hq, hkv = self.num_heads, self.num_kv_heads
-        qkv = self.attn_qkv(x).view(x.shape[0], hq + 2 * hkv, self.head_dim)
-        qk, v = qkv[:, : hq + hkv], qkv[:, hq + hkv:]
-        if hasattr(self, "attn_q_norm"):
-            qk = torch.cat([self.attn_q_norm(qk[:, :hq]), self.attn_k_norm(qk[:, hq:])], dim=1)
-        qk = apply_rotary(qk, cos, sin)
-        return qk[:, :hq], qk[:, hq:], v
+        q, k, v = self.project_qkv(x)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.ffn_gate_up(x).chunk(2, dim=-1)
-        gate = F.silu(gate) if self.act == "silu" else F.gelu(gate, approximate="tanh")
-        return self.ffn_down(gate * up)
+        return self.ffn_down(gated_act(*self.ffn_gate_up(x).chunk(2, dim=-1), self.act))
+
+    def after_attention(self, h: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        """The rest of the block once attention gave `a` [T, heads, head_dim] for the stream h [T, hidden]:
+        output projection, (sandwich) norms, both residual adds and the MLP."""
+        a = self.attn_output(a.reshape(h.shape[0], -1))
+        if hasattr(self, "post_attention_norm"):
+            a = self.post_attention_norm(a)
+        h = h + a
+        m = self.mlp(self.ffn_norm(h))
+        if hasattr(self, "post_ffw_norm"):
+            m = self.post_ffw_norm(m)
+        return h + m
+
+    def forward_with(self, h: torch.Tensor, rope: Rope, attend: Attend) -> torch.Tensor:
+        """The block (eager reference) with a caller's attention: `attend(q, k, v)` gets the rotated q/k and v
+        [T, heads, head_dim] and returns [T, heads, head_dim] (paged over the cache, or dense_attention)."""
+        q, k, v = self.qkv(self.attn_norm(h), *rope)
+        return self.after_attention(h, attend(q, k, v))
 
     def forward(
         self,
@@ -92,16 +128,11 @@ class DecoderBlock(nn.Module):
         if ops.use_kernels(h):
             out, residual = self.forward_fused(h, None, rope, k_cache, v_cache, meta)
             return out + residual
-        q, k, v = self.qkv(self.attn_norm(h), *rope)
-        a = paged_attention(q, k, v, k_cache, v_cache, meta, scale=self.scale, sliding=self.sliding)
-        a = self.attn_output(a.reshape(h.shape[0], -1))
-        if hasattr(self, "post_attention_norm"):
-            a = self.post_attention_norm(a)
-        h = h + a
-        m = self.mlp(self.ffn_norm(h))
-        if hasattr(self, "post_ffw_norm"):
-            m = self.post_ffw_norm(m)
-        return h + m
+
+        def paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return paged_attention(q, k, v, k_cache, v_cache, meta, scale=self.scale, sliding=self.sliding)
+
+        return self.forward_with(h, rope, paged)
 
     def forward_fused(
         self,
@@ -190,12 +221,12 @@ class DecoderModel(nn.Module):
         `capture` (DFlash conditions its drafter on them).
         """
         h = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
-        ropes = {name: rot(positions, h.dtype) for name, rot in self.rotary.items()}
+        ropes = self.ropes(positions, h.dtype)
         if ops.use_kernels(h):
             return self._forward_fused(h, ropes, kv, meta, capture)
         captured: list[torch.Tensor] = []
         for i, block in enumerate(self.blk):
-            h = block(h, self._rope(block, ropes), kv[i, 0], kv[i, 1], meta)
+            h = block(h, self.rope_for(block, ropes), kv[i, 0], kv[i, 1], meta)
             if i in capture:
                 captured.append(h)
         return h, captured
@@ -212,13 +243,18 @@ class DecoderModel(nn.Module):
         residual: torch.Tensor | None = None
         captured: list[torch.Tensor] = []
         for i, block in enumerate(self.blk):
-            h, residual = block.forward_fused(h, residual, self._rope(block, ropes), kv[i, 0], kv[i, 1], meta)
+            h, residual = block.forward_fused(h, residual, self.rope_for(block, ropes), kv[i, 0], kv[i, 1], meta)
             if i in capture:
                 captured.append(h + residual)
         return (h if residual is None else h + residual), captured
 
+    def ropes(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[str, Rope]:
+        """cos/sin of every rotary table ("full", and "sliding" when sliding layers have their own base)."""
+        return {name: rot(positions, dtype) for name, rot in self.rotary.items()}
+
     @staticmethod
-    def _rope(block: DecoderBlock, ropes: dict[str, Rope]) -> Rope:
+    def rope_for(block: DecoderBlock, ropes: dict[str, Rope]) -> Rope:
+        """The table a block rotates with (Gemma 3's sliding layers use the local base)."""
         return ropes["sliding"] if block.sliding and "sliding" in ropes else ropes["full"]
 
     def lm_head(self, h: torch.Tensor) -> torch.Tensor:

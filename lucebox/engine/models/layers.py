@@ -158,8 +158,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if triton_ops.use_kernels(x):
-            return triton_ops.rms_norm(x, self.weight, self.eps)  # one kernel instead of cast, norm, cast
+        # The kernel (one launch instead of cast, norm, cast) has no backward: the drafter trainer's norms,
+        # which need gradients, take the reference.
+        needs_grad = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
+        if triton_ops.use_kernels(x) and not needs_grad:
+            return triton_ops.rms_norm(x, self.weight, self.eps)
         return triton_ops.rms_norm_ref(x, self.weight, self.eps)
 
 
@@ -219,6 +222,11 @@ class Rotary(nn.Module):
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.attn_factor).to(dtype), (emb.sin() * self.attn_factor).to(dtype)
+
+
+def gated_act(gate: torch.Tensor, up: torch.Tensor, act: str = "silu") -> torch.Tensor:
+    """The gated MLP's middle, act(gate) * up: SwiGLU for "silu", GeGLU (tanh GELU, Gemma) otherwise."""
+    return (F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")) * up
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

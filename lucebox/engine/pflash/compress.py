@@ -101,8 +101,8 @@ class PFlash:
         enc = self.scorer.tokenizer.hf.encode_batch([prompt], add_special_tokens=False)[0]
         ids, offsets = list(enc.ids), [tuple(o) for o in enc.offsets]
         scores = token_importance(self.scorer.model, ids, self.config)
-        if scores.is_cuda:
-            torch.cuda.synchronize(scores.device)
+        if scores.is_cuda:  # the scorer's own stream (PFlashService), not the device: decode steps run meanwhile
+            torch.cuda.current_stream(scores.device).synchronize()
         return ScoredPrompt(prompt, ids, offsets, scores.float().cpu(), time.perf_counter() - start)
 
     def select(self, scored: ScoredPrompt, query: str | None = None, keep_ratio: float | None = None,

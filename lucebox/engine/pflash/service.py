@@ -22,11 +22,19 @@ tier restores the KV).
 Parking: a scorer that is not the target itself is, on CUDA, kept in pinned
 host memory while idle and moved to the device for each compression
 (`--prefill-skip-park` keeps it resident). On CPU parking does nothing.
+
+Where it runs: `compress` blocks its caller, a worker thread (never the event
+loop, never the engine thread). On CUDA every scorer pass (unparking included)
+is queued on the service's own stream and waits only for that stream, so the
+engine thread keeps stepping the running requests on its stream meanwhile; the
+request being scored is not submitted to the engine until its compression is
+done.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import logging
 import threading
@@ -117,11 +125,12 @@ class ScorerParking:
         torch.cuda.empty_cache()
 
     def unpark(self) -> None:
+        """Copy the weights to the device on the current stream and wait for that stream (not the device)."""
         if not self.enabled or not self.parked:
             return
         for t in self._tensors():
             t.data = t.data.to(self.device, non_blocking=True)
-        torch.cuda.synchronize(self.device)
+        torch.cuda.current_stream(self.device).synchronize()
         self.parked = False
 
 
@@ -142,6 +151,8 @@ class PFlashService:
         self.scorer_name = scorer_name or str(scorer.path)
         self.scorer_is_target = target_model is None or scorer.model is target_model  # never park the target
         self.parking = ScorerParking(scorer.model, scorer.device, enabled=park and not self.scorer_is_target)
+        # The scorer's own stream: its passes overlap the engine's decode steps instead of queueing behind them.
+        self.stream = torch.cuda.Stream(self.parking.device) if self.parking.device.type == "cuda" else None
         self.parking.park()
         self.stats = PFlashStats()
         self._remembered: collections.OrderedDict[str, Compression] = collections.OrderedDict()
@@ -198,9 +209,11 @@ class PFlashService:
 
     def _run_scorer(self, key: str, raw_ids: list[int], text: str, query: str | None,
                     keep_bos: bool) -> Compression:
+        on_stream = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
         try:
-            self.parking.unpark()
-            res = self.pflash.compress(text, query=query, keep_ratio=self.keep_ratio)
+            with on_stream:
+                self.parking.unpark()
+                res = self.pflash.compress(text, query=query, keep_ratio=self.keep_ratio)
         finally:
             with self._lock:
                 idle = self._waiting == 0

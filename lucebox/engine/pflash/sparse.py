@@ -1,4 +1,4 @@
-"""Scorer attention over the whole prompt: dense SDPA, or block-sparse through flex_attention.
+"""Scorer attention over the whole prompt, block-sparse through flex_attention (dense: models/dense_attention.py).
 
 Block-sparse attention only makes the scorer cheaper. Keys and queries are cut
 into blocks of `sparse_block` rows; a key block is scored for a query block by
@@ -35,21 +35,6 @@ def use_flex(cfg: PFlashConfig, device: torch.device) -> bool:
     if cfg.sparse_attention == "auto":
         return device.type == "cuda"
     return cfg.sparse_attention == "flex"
-
-
-def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                    window: int | None = None) -> torch.Tensor:
-    """Causal attention (optionally sliding-window) of q [S, Hq, D] over k/v [S, Hkv, D] -> [S, Hq, D]."""
-    S = q.shape[0]
-    qh, kh, vh = (t.transpose(0, 1)[None] for t in (q, k, v))
-    mask = None
-    if window is not None and window < S:
-        pos = torch.arange(S, device=q.device)
-        diff = pos[:, None] - pos[None, :]
-        mask = (diff >= 0) & (diff < window)
-    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=mask is None, scale=scale,
-                                         enable_gqa=True)
-    return out[0].transpose(0, 1)
 
 
 def block_means(x: torch.Tensor, block: int) -> torch.Tensor:

@@ -25,6 +25,20 @@ def use_kernels(x: torch.Tensor) -> bool:
     return ENABLED and triton_qmm is not None and (x.is_cuda or (ON_CPU and x.device.type == "cpu"))
 
 
+def warm_up(model: torch.nn.Module) -> dict:
+    """Tune and check the CUDA kernels for every quantized weight shape of `model` (triton_qmm.warm_up):
+    start-up code calls it once, before CUDA graphs are captured. A shape it did not check keeps the older,
+    slower kernels (see triton_qmm._word_ok). Returns the configs chosen; {} off CUDA."""
+    shapes = [(m.qtype, *m.quant.shape) for m in model.modules() if getattr(m, "qtype", None) is not None]
+    if not shapes or not ENABLED or triton_qmm is None:
+        return {}
+    device = next(m.quant.device for m in model.modules() if getattr(m, "qtype", None) is not None)
+    if device.type != "cuda":
+        return {}
+    return triton_qmm.warm_up(shapes, device=device, dtype=next(
+        m.dtype for m in model.modules() if getattr(m, "qtype", None) is not None))
+
+
 def qlinear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
             out: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ dequantize(w).T (+ bias) -> [..., N] in x's dtype.

@@ -1,14 +1,18 @@
 """Triton kernels: y = x @ W.T (+ b) straight from GGUF blocks, for every type in dequant.FORMATS.
 
-Three paths, by the number of activation rows M (qmatmul picks):
-- M = 1 (decode at batch 1): gemv kernels that multiply and reduce in fp32 with no tensor cores; Q4_K and
-  Q4_1 read their blocks as int32 words (_gemv_q4k_kernel, _gemv_q4_1_kernel), the other types byte-wise
-  through `_part` (_gemv_kernel).
-- 1 < M < PREFILL_ROWS: the fused tile kernel (_qmm_kernel): a 16-row activation tile against a few weight
-  blocks at a time, dequantized in registers and fed to tensor-core dots.
-- M >= PREFILL_ROWS: slices of at most SCRATCH_ELEMS weight elements are dequantized (_dequant_kernel) into
-  one reused scratch and multiplied by cuBLAS: tensor-core speed with a bounded buffer, never a dense copy
-  of a whole weight.
+Paths, by type and the number of activation rows M (qmatmul picks):
+- Q4_K, Q6_K, Q8_0 (the types of Q4_K_M / Q6_K / Q8_0 files), rows a whole number of int32 words:
+  M = 1: _gemv_words_kernel (rows read as 16-byte vectors where the layout allows, nibbles and bytes made
+  fp32 by mantissa tricks, bf16 x read 4 columns per word, fp32 FMAs); 2 <= M <= SMALL_BM:
+  _qmm_words_kernel (the same word loads, each bit plane fed to a tensor-core dot with all M rows). Both
+  split the columns over `split` programs when that fills the GPU better (fp32 partials, then
+  _splitk_sum_kernel: no atomics). Launch configs: GEMV_DEFAULT / SMALL_DEFAULT, or what `warm_up` measured
+  for the shape (at start-up only).
+- Other types at M = 1: byte-wise gemv (_gemv_kernel; Q4_1 reads words, _gemv_q4_1_kernel).
+- Everything else (prefill, other types' small batches): slices of at most SCRATCH_ELEMS weight elements
+  are dequantized (_dequant_kernel) into one reused scratch and multiplied by cuBLAS: tensor-core speed
+  with a bounded buffer, never a dense copy of a whole weight. (_qmm_kernel, a fused tile kernel for any
+  type, serves small batches only when PREFILL_ROWS is raised: measured slower than the slice path.)
 
 The bytes are read in the file's layout. Within a block, ggml stores element j and element j + 16 (or
 j + 32) in the low and high nibble of one byte; rather than shuffling nibbles back into order, each nibble
@@ -21,9 +25,11 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.compiler.errors import CompilationError
+from triton.runtime.errors import OutOfResources
 
 from lucebox.engine.quant.dequant import FORMATS
-from lucebox.engine.quant.qtensor import QuantWeight
+from lucebox.engine.quant.qtensor import QuantWeight, row_bytes
 
 # Type id (constexpr in the kernels), elements per chunk (the unit a program steps through), chunks per step,
 # elements per part (see _part).
@@ -180,49 +186,6 @@ def _h16(word, shift):
 
 
 @triton.jit
-def _gemv_q4k_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, n_sb, row_words, HAS_BIAS: tl.constexpr, BN: tl.constexpr,
-                     NSB: tl.constexpr):
-    """Batch-1 Q4_K: the 144-byte super-blocks read as 36 int32 words (d|dmin, 3 scale words, 32 of nibbles),
-    tiles [BN rows, NSB super-blocks, 4 chunks, 8 words]; each word gives 8 nibbles (4 bytes x low/high)."""
-    rn = tl.program_id(0) * BN + tl.arange(0, BN)
-    n_mask = rn < N
-    w32 = w_ptr.to(tl.pointer_type(tl.int32))
-    row = w32 + rn.to(tl.int64)[:, None, None, None] * row_words
-    ci = tl.arange(0, 4)[None, None, :, None]
-    wi = tl.arange(0, 8)[None, None, None, :]
-    acc = tl.zeros((BN, NSB, 4, 8), dtype=tl.float32)
-    for g in range(0, n_sb, NSB):
-        sb = g + tl.arange(0, NSB)[None, :, None, None]
-        sm = sb < n_sb
-        m = n_mask[:, None, None, None] & sm
-        base = row + sb * 36
-        w0 = tl.load(base, mask=m, other=0)
-        d = _h16(w0, 0)
-        dmin = _h16(w0, 16)
-        s0 = tl.load(base + 1, mask=m, other=0)
-        s1 = tl.load(base + 2, mask=m, other=0)
-        s2 = tl.load(base + 3, mask=m, other=0)
-        q = tl.load(base + 4 + ci * 8 + wi, mask=m, other=0)
-        xb = x_ptr + sb * 256 + ci * 64 + wi * 4
-        for s in tl.static_range(2):
-            idx = 2 * ci + s
-            sh = 8 * (idx & 3)
-            low = idx < 4
-            sc = tl.where(low, (s0 >> sh) & 63, ((s2 >> sh) & 15) | (((s0 >> (sh + 6)) & 3) << 4))
-            mn = tl.where(low, (s1 >> sh) & 63, ((s2 >> (sh + 4)) & 15) | (((s1 >> (sh + 6)) & 3) << 4))
-            dsc = d * sc.to(tl.float32)
-            dmn = dmin * mn.to(tl.float32)
-            for b in tl.static_range(4):
-                x = tl.load(xb + 32 * s + b, mask=sm, other=0.0).to(tl.float32)
-                nib = ((q >> (8 * b + 4 * s)) & 15).to(tl.float32)
-                acc += (dsc * nib - dmn) * x
-    y = tl.sum(tl.reshape(acc, (BN, NSB * 32)), axis=1)
-    if HAS_BIAS:
-        y += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=n_mask)
-
-
-@triton.jit
 def _gemv_q4_1_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, n_blk, row_words, HAS_BIAS: tl.constexpr, BN: tl.constexpr,
                       NB: tl.constexpr):
     """Batch-1 Q4_1: the 20-byte blocks read as 5 int32 words (d|m, then 16 bytes of nibbles)."""
@@ -253,6 +216,304 @@ def _gemv_q4_1_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, n_blk, row_words, HAS_BIAS:
     tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=n_mask)
 
 
+# ----- word-wise kernels: Q4_K, Q6_K, Q8_0 (the types of Q4_K_M / Q6_K / Q8_0 files) ------------------------
+# A row of these types is read as int32 words (16-byte vectors where the block layout allows). Q6_K (210-byte)
+# and Q8_0 (34-byte) blocks sit at 2 mod 4 bytes in every other block: those blocks' words are funnel-shifted
+# from two aligned words (the second load hits L1). Nibbles and bytes become fp32 by OR-ing them into the
+# mantissa of 2**23 and subtracting it (exact, and no int->float conversions, which are slow on the GPU).
+# Each kernel is one `_*_load` (the raw words of NB blocks of BN rows) and a `_*_plane` per plane: the weight
+# elements held at one bit position of every word, dequantized, with the offsets of their activation columns.
+# The gemv multiplies planes with fp32 FMAs; the small-batch kernel feeds each plane to a tensor-core dot.
+
+MAGIC = tl.constexpr(8388608.0)  # 2**23: bitcast(0x4B000000 | v) == 2**23 + v for 0 <= v < 2**23
+
+
+@triton.jit
+def _field(word, shift: tl.constexpr, mask: tl.constexpr, bias: tl.constexpr):
+    """(word >> shift) & mask as exact fp32, minus `bias`."""
+    v = ((word >> shift) & mask) | 0x4B000000
+    return v.to(tl.float32, bitcast=True) - (MAGIC + bias)
+
+
+@triton.jit
+def _h16w(word, hi):
+    """The fp16 in the high (where `hi`) or low half of int32 `word`, as fp32."""
+    return _h16(tl.where(hi, word >> 16, word), 0)
+
+
+@triton.jit
+def _vword(row, st, j):
+    """Words j of the block at byte `st` of word-aligned rows `row`, where st is 0 or 2 mod 4."""
+    a = row + (st >> 2) + j
+    lo = tl.load(a)
+    hi = tl.load(a + 1, mask=(st & 2) != 0, other=0)
+    return tl.where((st & 2) != 0, ((lo >> 16) & 0xFFFF) | (hi << 16), lo)
+
+
+@triton.jit
+def _q4k_load(row, sb):
+    """Super-blocks sb [1, NSB, 1, 1] of rows `row` [BN, 1, 1, 1] (int32 pointers): words [BN, NSB, 4, 8] of
+    nibbles (chunk ci = dim 2), and the per-sub-block d * scale and dmin * min, [BN, NSB, 4, 1] for s = 0, 1."""
+    ci = tl.arange(0, 4)[None, None, :, None]
+    wi = tl.arange(0, 8)[None, None, None, :]
+    base = row + sb * 36
+    q = tl.load(base + 4 + ci * 8 + wi)
+    w0 = tl.load(base)
+    s0 = tl.load(base + 1)
+    s1 = tl.load(base + 2)
+    s2 = tl.load(base + 3)
+    d = _h16(w0, 0)
+    dmin = _h16(w0, 16)
+    # Sub-blocks 2ci (s = 0) and 2ci + 1 (s = 1): byte j = (2ci + s) & 3 of the scale words; chunks 0-1 take
+    # 6 bits of s0 / s1, chunks 2-3 4 bits of s2 and the top 2 of s0 / s1 (blended by `hi`, no selects).
+    hi = ci >> 1
+    sh = 8 * ((2 * ci) & 3)
+    sc0 = (1 - hi) * ((s0 >> sh) & 63) + hi * (((s2 >> sh) & 15) | (((s0 >> (sh + 6)) & 3) << 4))
+    mn0 = (1 - hi) * ((s1 >> sh) & 63) + hi * (((s2 >> (sh + 4)) & 15) | (((s1 >> (sh + 6)) & 3) << 4))
+    sh1 = sh + 8
+    sc1 = (1 - hi) * ((s0 >> sh1) & 63) + hi * (((s2 >> sh1) & 15) | (((s0 >> (sh1 + 6)) & 3) << 4))
+    mn1 = (1 - hi) * ((s1 >> sh1) & 63) + hi * (((s2 >> (sh1 + 4)) & 15) | (((s1 >> (sh1 + 6)) & 3) << 4))
+    return (q, d * sc0.to(tl.float32), dmin * mn0.to(tl.float32), d * sc1.to(tl.float32),
+            dmin * mn1.to(tl.float32))
+
+
+@triton.jit
+def _q4k_plane(q, ds0, dm0, ds1, dm1, sb, P: tl.constexpr):
+    """Plane P = 4 s + b: nibble s of byte b of every word, i.e. elements sb*256 + ci*64 + 32s + 4wi + b."""
+    s: tl.constexpr = P // 4
+    b: tl.constexpr = P % 4
+    nib = _field(q, 8 * b + 4 * s, 15, 0.0)
+    if s == 0:
+        w = ds0 * nib - dm0
+    else:
+        w = ds1 * nib - dm1
+    return w
+
+
+@triton.jit
+def _q4k_cols(sb, s: tl.constexpr):
+    """Column of byte 0 of each word's plane s (bytes 1-3: the next columns)."""
+    ci = tl.arange(0, 4)[None, None, :, None]
+    wi = tl.arange(0, 8)[None, None, None, :]
+    return sb * 256 + ci * 64 + 32 * s + 4 * wi
+
+
+@triton.jit
+def _q6k_load(row, sb):
+    """Super-blocks sb [1, NSB, 1, 1, 1] of rows `row` [BN, 1, 1, 1, 1]: ql words [BN, NSB, 2 (half h),
+    2 (tq), 8 (v)], qh words already shifted by 2 tq, the two scale words of each half (s = 0, 1), d."""
+    h = tl.arange(0, 2)[None, None, :, None, None]
+    tq = tl.arange(0, 2)[None, None, None, :, None]
+    v = tl.arange(0, 8)[None, None, None, None, :]
+    st = sb * 210
+    ql = _vword(row, st, h * 16 + tq * 8 + v)
+    qh = _vword(row, st, 32 + h * 8 + v) >> (2 * tq)
+    sw0 = _vword(row, st, 48 + 2 * h)
+    sw1 = _vword(row, st, 49 + 2 * h)
+    d = _h16w(tl.load(row + (st >> 2) + 52), (st & 2) != 0)
+    return ql, qh, sw0, sw1, d
+
+
+@triton.jit
+def _q6k_plane(ql, qh, sw0, sw1, d, sb, P: tl.constexpr):
+    """Plane P = 4 s + b: elements sb*256 + h*128 + 64s + 32tq + 4v + b (6 bits: nibble s of ql byte b, bits
+    4s + 2tq of qh byte b), scale byte 2tq + v // 4 of scale word s of half h."""
+    tq = tl.arange(0, 2)[None, None, None, :, None]
+    v = tl.arange(0, 8)[None, None, None, None, :]
+    s: tl.constexpr = P // 4
+    b: tl.constexpr = P % 4
+    q = ((ql >> (8 * b + 4 * s)) & 15) | (((qh >> (8 * b + 4 * s)) & 3) << 4)
+    q = (q | 0x4B000000).to(tl.float32, bitcast=True) - (MAGIC + 32.0)
+    k = 8 * (2 * tq + v // 4)
+    if s == 0:
+        sc = ((sw0 << (24 - k)) >> 24).to(tl.float32)
+    else:
+        sc = ((sw1 << (24 - k)) >> 24).to(tl.float32)
+    return (d * sc) * q
+
+
+@triton.jit
+def _q6k_cols(sb, s: tl.constexpr):
+    h = tl.arange(0, 2)[None, None, :, None, None]
+    tq = tl.arange(0, 2)[None, None, None, :, None]
+    v = tl.arange(0, 8)[None, None, None, None, :]
+    return sb * 256 + h * 128 + 64 * s + 32 * tq + 4 * v
+
+
+@triton.jit
+def _q80_load(row, blk):
+    """Blocks blk [1, NB, 1] of rows `row` [BN, 1, 1]: the 8 words of int8s [BN, NB, 8] and d [BN, NB, 1]."""
+    v = tl.arange(0, 8)[None, None, :]
+    st = blk * 34
+    q = _vword(row, st + 2, v)  # the int8s start 2 bytes in
+    d = _h16w(tl.load(row + (st >> 2)), (st & 2) != 0)
+    return q, d
+
+
+@triton.jit
+def _q80_plane(q, d, blk, P: tl.constexpr):
+    """Plane P: byte P of every word, elements blk*32 + 4v + P."""
+    u = (((q >> (8 * P)) & 255) ^ 128) | 0x4B000000  # the int8 + 128, in the mantissa of 2**23
+    return d * (u.to(tl.float32, bitcast=True) - (MAGIC + 128.0))
+
+
+@triton.jit
+def _q80_cols(blk):
+    v = tl.arange(0, 8)[None, None, :]
+    return blk * 32 + 4 * v
+
+
+@triton.jit
+def _x4(x_ptr, col, XBF16: tl.constexpr):
+    """x at columns col + 0..3 (col % 4 == 0) as fp32: bf16 x as one 8-byte load per word, its halves widened
+    by shifts (bf16 is the top half of an fp32); other dtypes element by element."""
+    if XBF16:
+        v = tl.load(x_ptr.to(tl.pointer_type(tl.int64)) + (col >> 2))
+        lo = v.to(tl.int32)
+        hi = (v >> 32).to(tl.int32)
+        x0 = (lo << 16).to(tl.float32, bitcast=True)
+        x1 = (lo & -65536).to(tl.float32, bitcast=True)
+        x2 = (hi << 16).to(tl.float32, bitcast=True)
+        x3 = (hi & -65536).to(tl.float32, bitcast=True)
+    else:
+        x0 = tl.load(x_ptr + col).to(tl.float32)
+        x1 = tl.load(x_ptr + col + 1).to(tl.float32)
+        x2 = tl.load(x_ptr + col + 2).to(tl.float32)
+        x3 = tl.load(x_ptr + col + 3).to(tl.float32)
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def _gemv_words_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, n_split, row_words, QTYPE: tl.constexpr,
+                       XBF16: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, BN: tl.constexpr,
+                       NB: tl.constexpr):
+    """One activation row: BN weight rows per program, NB blocks per step, fp32 FMAs; the warps of a program
+    split its columns (reduced by the final tl.sum). Program (i, j) covers blocks j * n_split ..
+    (j + 1) * n_split (n_split % NB == 0); with several j (PARTIAL) each writes fp32 sums [j, N] that
+    _splitk_sum_kernel adds up (no atomics: deterministic, and CUDA-graph safe)."""
+    rn = tl.program_id(0) * BN + tl.arange(0, BN)
+    lo = tl.program_id(1) * n_split
+    n_mask = rn < N
+    rows = tl.minimum(rn, N - 1).to(tl.int64)
+    w32 = w_ptr.to(tl.pointer_type(tl.int32))
+    if QTYPE == 5:
+        row = w32 + rows[:, None, None, None] * row_words
+        acc = tl.zeros((BN, NB, 4, 8), dtype=tl.float32)
+        for g in range(lo, lo + n_split, NB):
+            sb = g + tl.arange(0, NB)[None, :, None, None]
+            q, ds0, dm0, ds1, dm1 = _q4k_load(row, sb)
+            for s in tl.static_range(2):
+                x0, x1, x2, x3 = _x4(x_ptr, _q4k_cols(sb, s), XBF16)
+                acc += _q4k_plane(q, ds0, dm0, ds1, dm1, sb, 4 * s) * x0
+                acc += _q4k_plane(q, ds0, dm0, ds1, dm1, sb, 4 * s + 1) * x1
+                acc += _q4k_plane(q, ds0, dm0, ds1, dm1, sb, 4 * s + 2) * x2
+                acc += _q4k_plane(q, ds0, dm0, ds1, dm1, sb, 4 * s + 3) * x3
+        y = tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=1)
+    elif QTYPE == 7:
+        row = w32 + rows[:, None, None, None, None] * row_words
+        acc = tl.zeros((BN, NB, 2, 2, 8), dtype=tl.float32)
+        for g in range(lo, lo + n_split, NB):
+            sb = g + tl.arange(0, NB)[None, :, None, None, None]
+            ql, qh, sw0, sw1, d = _q6k_load(row, sb)
+            for s in tl.static_range(2):
+                x0, x1, x2, x3 = _x4(x_ptr, _q6k_cols(sb, s), XBF16)
+                acc += _q6k_plane(ql, qh, sw0, sw1, d, sb, 4 * s) * x0
+                acc += _q6k_plane(ql, qh, sw0, sw1, d, sb, 4 * s + 1) * x1
+                acc += _q6k_plane(ql, qh, sw0, sw1, d, sb, 4 * s + 2) * x2
+                acc += _q6k_plane(ql, qh, sw0, sw1, d, sb, 4 * s + 3) * x3
+        y = tl.sum(tl.sum(tl.sum(tl.sum(acc, axis=4), axis=3), axis=2), axis=1)
+    else:
+        row = w32 + rows[:, None, None] * row_words
+        acc = tl.zeros((BN, NB, 8), dtype=tl.float32)
+        for g in range(lo, lo + n_split, NB):
+            blk = g + tl.arange(0, NB)[None, :, None]
+            q, d = _q80_load(row, blk)
+            x0, x1, x2, x3 = _x4(x_ptr, _q80_cols(blk), XBF16)
+            acc += _q80_plane(q, d, blk, 0) * x0
+            acc += _q80_plane(q, d, blk, 1) * x1
+            acc += _q80_plane(q, d, blk, 2) * x2
+            acc += _q80_plane(q, d, blk, 3) * x3
+        y = tl.sum(tl.sum(acc, axis=2), axis=1)
+    if PARTIAL:
+        tl.store(y_ptr + tl.program_id(1) * N + rn, y, mask=n_mask)
+    else:
+        if HAS_BIAS:
+            y += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def _dot_plane(acc, w, xrow, xo, m_mask, BM: tl.constexpr, BN: tl.constexpr, E: tl.constexpr):
+    """acc [BM, BN] += x[:, xo] @ w.T for one plane: w [BN, ...] and offsets xo [1, ...] of E elements."""
+    x = tl.load(xrow + tl.reshape(xo, (1, E)), mask=m_mask, other=0.0)
+    return tl.dot(x, tl.trans(tl.reshape(w, (BN, E)).to(x.dtype)), acc)
+
+
+@triton.jit
+def _qmm_words_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, n_split, stride_xm, stride_ym, row_words,
+                      QTYPE: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, BM: tl.constexpr,
+                      BN: tl.constexpr, NB: tl.constexpr):
+    """A few activation rows (batched decode, verify blocks): each weight word is loaded once per program
+    and every plane of it goes through one tensor-core dot with all BM rows. Program (i, r, j) covers blocks
+    j * n_split .. (j + 1) * n_split; with several j (PARTIAL) it writes fp32 sums [j, M, N]."""
+    rm = tl.program_id(1) * BM + tl.arange(0, BM)
+    rn = tl.program_id(0) * BN + tl.arange(0, BN)
+    lo = tl.program_id(2) * n_split
+    m_mask = (rm < M)[:, None]
+    n_mask = rn < N
+    rows = tl.minimum(rn, N - 1).to(tl.int64)
+    xrow = x_ptr + rm.to(tl.int64)[:, None] * stride_xm
+    w32 = w_ptr.to(tl.pointer_type(tl.int32))
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    if QTYPE == 5:
+        row = w32 + rows[:, None, None, None] * row_words
+        for g in range(lo, lo + n_split, NB):
+            sb = g + tl.arange(0, NB)[None, :, None, None]
+            q, ds0, dm0, ds1, dm1 = _q4k_load(row, sb)
+            for p in tl.static_range(8):
+                w = _q4k_plane(q, ds0, dm0, ds1, dm1, sb, p)
+                acc = _dot_plane(acc, w, xrow, _q4k_cols(sb, p // 4) + p % 4, m_mask, BM, BN, NB * 32)
+    elif QTYPE == 7:
+        row = w32 + rows[:, None, None, None, None] * row_words
+        for g in range(lo, lo + n_split, NB):
+            sb = g + tl.arange(0, NB)[None, :, None, None, None]
+            ql, qh, sw0, sw1, d = _q6k_load(row, sb)
+            for p in tl.static_range(8):
+                w = _q6k_plane(ql, qh, sw0, sw1, d, sb, p)
+                acc = _dot_plane(acc, w, xrow, _q6k_cols(sb, p // 4) + p % 4, m_mask, BM, BN, NB * 32)
+    else:
+        row = w32 + rows[:, None, None] * row_words
+        for g in range(lo, lo + n_split, NB):
+            blk = g + tl.arange(0, NB)[None, :, None]
+            q, d = _q80_load(row, blk)
+            for p in tl.static_range(4):
+                w = _q80_plane(q, d, blk, p)
+                acc = _dot_plane(acc, w, xrow, _q80_cols(blk) + p, m_mask, BM, BN, NB * 8)
+    if PARTIAL:
+        yp = y_ptr + (tl.program_id(2) * M + rm.to(tl.int64))[:, None] * N + rn[None, :]
+        tl.store(yp, acc, mask=m_mask & n_mask[None, :])
+    else:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        yp = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
+        tl.store(yp, acc.to(y_ptr.dtype.element_ty), mask=m_mask & n_mask[None, :])
+
+
+@triton.jit
+def _splitk_sum_kernel(p_ptr, b_ptr, y_ptr, M, N, stride_ym, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    """y[m, :] = sum over j of the fp32 partials p[j, m, :] (+ bias), in y's dtype."""
+    m = tl.program_id(0)
+    rn = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = rn < N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for j in tl.static_range(SPLIT):
+        acc += tl.load(p_ptr + (j * M + m) * N + rn, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + m * stride_ym + rn, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
 @triton.jit
 def _dequant_kernel(w_ptr, y_ptr, N, n_chunks, row_bytes, QTYPE: tl.constexpr, CHUNK: tl.constexpr,
                     NB: tl.constexpr, L: tl.constexpr, BN: tl.constexpr):
@@ -270,49 +531,144 @@ def _dequant_kernel(w_ptr, y_ptr, N, n_chunks, row_bytes, QTYPE: tl.constexpr, C
         tl.store(yrow + c * CHUNK + p * L + j, w.to(y_ptr.dtype.element_ty), mask=cm)
 
 
-# Rows from which qmatmul dequantizes bounded slices for cuBLAS instead of running the fused tile kernel.
-# Measured on the H200 (Qwen3-8B Q4_K projections): at 2, 4 and 16 rows the slice path streams 274-278 GB/s
-# of weights, the fused tl.dot kernel 241-245, so only batch-1 rows (the gemv kernels) stay fused there.
+# Rows from which qmatmul dequantizes bounded slices for cuBLAS instead of running a fused kernel (the
+# word-wise types run their small-batch kernel up to SMALL_BM rows).
 PREFILL_ROWS = 2
 SCRATCH_ELEMS = 1 << 25  # 64 MiB of bf16: a few thousand weight rows at a time, never the whole of a big weight
 
+# Q4_1 batch-1 gemv reading int32 words: weight rows per program, blocks per step, warps.
+Q4_1_GEMV = (4, 16, 1)
 
-# Batch-1 kernels that read whole int32 words (their blocks are 4-byte aligned): kernel, weight rows per
-# program, steps per loop iteration, warps.
-# Tuned on the H200 over Qwen3-8B projections (about 790 GB/s each; the byte-wise _gemv_kernel gives 560 for
-# Q6_K and ~1.1-1.3 TB/s for Q8_0).
-WORD_GEMV = {"Q4_K": (_gemv_q4k_kernel, 2, {"NSB": 1}, 1), "Q4_1": (_gemv_q4_1_kernel, 4, {"NB": 16}, 1)}
+# The word-wise kernels: type -> (QTYPE id, elements per block). A type's rows must be a whole number of words.
+WORD_TYPES = {"Q4_K": (5, 256), "Q6_K": (7, 256), "Q8_0": (4, 32)}
+# Launch configs of the word-wise kernels, (BN, NB, num_warps, split): defaults by type, and the ones `warm_up`
+# measured for a (kernel, type, rows, cols) shape (fixed from then on: nothing is tuned while serving).
+# Measured on the H200 over Qwen3-8B projections (.stage/qbench.py): Q4_K 0.75-1.25 TB/s, Q6_K 0.96-1.5 TB/s at
+# one row; 0.36-0.48 TB/s at 16 rows (slice-dequantize + cuBLAS: ~0.27).
+GEMV_DEFAULT = {"Q4_K": (16, 1, 4, 4), "Q6_K": (8, 2, 4, 4), "Q8_0": (8, 2, 4, 1)}
+SMALL_DEFAULT = {"Q4_K": (64, 1, 4, 4), "Q6_K": (64, 1, 4, 4), "Q8_0": (64, 1, 4, 4)}
+GEMV_CANDIDATES = [(16, 1, 4, 4), (16, 1, 2, 4), (8, 2, 4, 4), (8, 2, 4, 1), (16, 1, 4, 1), (4, 2, 4, 1)]
+SMALL_CANDIDATES = [(64, 1, 4, 4), (64, 1, 4, 1), (64, 1, 4, 8), (32, 1, 4, 4)]
+TUNED: dict[tuple[str, str, int, int], tuple[int, int, int, int]] = {}
+SMALL_BM = 16
+X_PAIRS = True
 
 
-def _tiles(m: int, n: int) -> tuple[int, int, int]:
-    """(rows per tile, weight rows per tile, warps) of the fused kernel; for m == 1 only BN and warps count."""
+def _blocks_per_step(qtype: str, n_blk: int, nb: int) -> int:
+    """nb scaled to the type (Q8_0 blocks hold 32 values, K blocks 256) and cut to a divisor of n_blk."""
+    nb = nb * 8 if qtype == "Q8_0" else nb
+    while n_blk % nb:
+        nb //= 2
+    return max(nb, 1)
+
+
+def _word_ok(x: torch.Tensor, w: QuantWeight, out: torch.Tensor) -> bool:
+    """Whether the word-wise kernels serve this call. On CUDA only for shapes `warm_up` checked against the
+    exact reference: on the H200 (Triton 3.6) some launch configs were seen to compile to wrong results, so
+    an unchecked shape keeps the older kernels rather than trust a config blindly."""
+    if w.qtype not in WORD_TYPES or w.data.shape[1] % 4 or w.data.data_ptr() % 4 or out.stride(1) != 1:
+        return False
+    return x.device.type != "cuda" or ("gemv" if x.shape[0] == 1 else "small", w.qtype, *w.shape) in TUNED
+
+
+def _launch_words(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None, out: torch.Tensor,
+                  cfg: tuple[int, int, int, int] | None = None) -> None:
+    """The word-wise gemv (one row) or small-batch tile kernel (SMALL_BM rows per program), split over the
+    columns in `split` parts when that fills the GPU better (then one more small kernel sums the parts)."""
+    qid, block = WORD_TYPES[w.qtype]
+    m, k = x.shape
+    n = w.data.shape[0]
+    n_blk = k // block
+    kind = "gemv" if m == 1 else "small"
+    if cfg is None:
+        cfg = TUNED.get((kind, w.qtype, n, k)) or (GEMV_DEFAULT if m == 1 else SMALL_DEFAULT)[w.qtype]
+    bn, nb, warps, split = cfg
+    nb = _blocks_per_step(w.qtype, n_blk, nb)
+    while split > 1 and (n_blk // nb) % split:
+        split -= 1
+    b = bias if bias is not None else x
+    y = torch.empty(split, m, n, device=x.device, dtype=torch.float32) if split > 1 else out
+    common = dict(QTYPE=qid, HAS_BIAS=bias is not None, PARTIAL=split > 1, BN=bn, NB=nb, num_warps=warps)
     if m == 1:
-        return 1, 4, 1
-    return 16, (16 if n <= 8192 else 32), 4
+        _gemv_words_kernel[(triton.cdiv(n, bn), split)](x, w.data, b, y, n, n_blk // split, w.data.shape[1] // 4,
+                                                        XBF16=X_PAIRS and x.dtype == torch.bfloat16, **common)
+    else:
+        grid = (triton.cdiv(n, bn), triton.cdiv(m, SMALL_BM), split)
+        _qmm_words_kernel[grid](x, w.data, b, y, m, n, n_blk // split, x.stride(0), out.stride(0),
+                                w.data.shape[1] // 4, BM=SMALL_BM, **common)
+    if split > 1:
+        _splitk_sum_kernel[(m, triton.cdiv(n, 1024))](y, b, out, m, n, out.stride(0), SPLIT=split,
+                                                      HAS_BIAS=bias is not None, BLOCK=1024, num_warps=4)
+
+
+def warm_up(shapes: list[tuple[str, int, int]], rows: tuple[int, ...] = (1, SMALL_BM),
+            device: torch.device | str = "cuda", dtype: torch.dtype = torch.bfloat16
+            ) -> dict[tuple[str, str, int, int], tuple[int, int, int, int]]:
+    """Compile and tune the word-wise kernels for weights (qtype, out rows, in cols) at `rows` activation rows
+    (1: the gemv; more: the small-batch kernel). Call it at start-up, before any CUDA graph is captured: each
+    candidate launch config runs on random blocks of the shape, is checked against the exact dequantized
+    matmul (a config the compiler got wrong is never kept) and timed; the fastest stays in TUNED, fixed from
+    then on. Returns the configs chosen for these shapes."""
+    from triton.testing import do_bench
+
+    done = {}
+    for qtype, n, k in dict.fromkeys(shapes):
+        if qtype not in WORD_TYPES or row_bytes(qtype, k) % 4:
+            continue
+        data = torch.randint(0, 256, (n, row_bytes(qtype, k)), dtype=torch.uint8, device=device)
+        scale = {"Q4_K": (0, 4), "Q6_K": (208, 210), "Q8_0": (0, 2)}[qtype]  # finite fp16 scales: 2**-10
+        blocks = data.view(-1, FORMATS[qtype][1])
+        blocks[:, scale[0]:scale[1]] = torch.tensor([0, 0x14], dtype=torch.uint8, device=device).repeat(
+            (scale[1] - scale[0]) // 2)
+        w = QuantWeight(data, qtype, k, dtype)
+        check = min(n, 2048)  # rows compared with the exact reference (bounded memory for an LM head)
+        dense = QuantWeight(data[:check], qtype, k).dequantize()
+        for m in rows:
+            kind = "gemv" if m == 1 else "small"
+            x = torch.randn(m, k, device=device, dtype=dtype)
+            ref = x.float() @ dense.T
+            out = torch.empty(m, n, device=device, dtype=dtype)
+            best: tuple[float, tuple[int, int, int, int]] | None = None
+            for cfg in GEMV_CANDIDATES if m == 1 else SMALL_CANDIDATES:
+                try:
+                    _launch_words(x, w, None, out, cfg)
+                except (CompilationError, OutOfResources):  # a config this GPU / Triton cannot build
+                    continue
+                if ((out[:, :check].float() - ref).norm() / ref.norm()).item() > 2e-2:
+                    continue
+                t = do_bench(lambda c=cfg, x=x, w=w, o=out: _launch_words(x, w, None, o, c), warmup=5, rep=20)
+                if best is None or t < best[0]:
+                    best = (t, cfg)
+            if best is not None:
+                TUNED[kind, qtype, n, k] = done[kind, qtype, n, k] = best[1]
+        del data, w, dense
+    return done
 
 
 def _launch_fused(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None, out: torch.Tensor) -> None:
     qtype_id, chunk, nb, part = _TYPES[w.qtype]
     m, k = x.shape
     n = w.data.shape[0]
-    bm, bn, warps = _tiles(m, n)
     b = bias if bias is not None else x
-    if m == 1 and w.qtype in WORD_GEMV and out.stride(1) == 1:
-        kernel, rows, steps, nwarps = WORD_GEMV[w.qtype]
-        blocks = k // (256 if w.qtype == "Q4_K" else 32)
-        kernel[(triton.cdiv(n, rows),)](x, w.data, b, out, n, blocks, w.data.shape[1] // 4,
-                                        HAS_BIAS=bias is not None, BN=rows, num_warps=nwarps, **steps)
+    if m <= SMALL_BM and _word_ok(x, w, out):
+        _launch_words(x, w, bias, out)
+        return
+    if m == 1 and w.qtype == "Q4_1" and out.stride(1) == 1:
+        rows, steps, nwarps = Q4_1_GEMV
+        _gemv_q4_1_kernel[(triton.cdiv(n, rows),)](x, w.data, b, out, n, k // 32, w.data.shape[1] // 4,
+                                                   HAS_BIAS=bias is not None, BN=rows, NB=steps, num_warps=nwarps)
         return
     if m == 1 and out.stride(1) == 1:
+        bn = 4
         _gemv_kernel[(triton.cdiv(n, bn),)](x, w.data, b, out, n, k // chunk, w.data.shape[1], QTYPE=qtype_id,
                                            CHUNK=chunk, NB=nb, L=part, HAS_BIAS=bias is not None, BN=bn,
-                                           num_warps=warps)
+                                           num_warps=1)
         return
-    bm = max(bm, 16)
+    bm, bn = 16, (16 if n <= 8192 else 32)
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     _qmm_kernel[grid](x, w.data, b, out, m, n, k // chunk, x.stride(0), out.stride(0), w.data.shape[1],
                       QTYPE=qtype_id, CHUNK=chunk, NB=nb, L=part, HAS_BIAS=bias is not None, BM=bm, BN=bn,
-                      num_warps=warps)
+                      num_warps=4)
 
 
 def dequantize_rows(w: QuantWeight, start: int, stop: int, dtype: torch.dtype,
@@ -333,9 +689,9 @@ def qmatmul(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
     """x [M, K] @ dequantize(w).T (+ bias) -> [M, N] in x's dtype; `out` may be a column slice of a wider
     [M, *] tensor (written through its row stride).
 
-    Up to PREFILL_ROWS rows: the fused kernel (weight bytes read once, dequantized in registers). Above:
-    slices of at most SCRATCH_ELEMS weight elements are dequantized into a reused scratch and multiplied by
-    cuBLAS, so prefill runs at tensor-core speed with a bounded extra buffer instead of a dense copy.
+    Fused kernels (weight bytes read once, dequantized in registers) for one row, and for up to SMALL_BM
+    rows of the word-wise types; otherwise slices of at most SCRATCH_ELEMS weight elements are dequantized
+    into a reused scratch and multiplied by cuBLAS (prefill at tensor-core speed, bounded extra memory).
     """
     m, k = x.shape
     n = w.data.shape[0]
@@ -345,7 +701,7 @@ def qmatmul(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
         x = x.contiguous()
     if out is None:
         out = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    if m < PREFILL_ROWS or x.device.type != "cuda":
+    if m < PREFILL_ROWS or x.device.type != "cuda" or (m <= SMALL_BM and _word_ok(x, w, out)):
         _launch_fused(x, w, bias, out)
         return out
     step = max(256, SCRATCH_ELEMS // k // 256 * 256)

@@ -21,9 +21,11 @@ from typing import Any
 
 import torch
 
+from lucebox.engine.attention import MAX_TREE_ROWS, pad_tables, slot_index
 from lucebox.engine.config import ModelConfig
-from lucebox.engine.kv_cache import KVCache, gather_index
+from lucebox.engine.kv_cache import KVCache
 from lucebox.engine.models import DecoderModel
+from lucebox.engine.models.dense_attention import causal_mask
 from lucebox.engine.sequence import Chunk, Sequence
 from lucebox.engine.spec.drafter import DFlashDrafter
 
@@ -49,6 +51,9 @@ class SpecDecoder:
         self.block = drafter.cfg.block_size
         self.ddtree = ddtree
         self.budget = budget
+        if ddtree and budget + 1 > MAX_TREE_ROWS:
+            raise ValueError(f"DDTree budget {budget}: at most {MAX_TREE_ROWS - 1} (verification trees of up to "
+                             f"{MAX_TREE_ROWS} rows)")
         self.capture = tuple(drafter.cfg.target_layer_ids)
         self.device = target_kv.data.device
         dc = drafter.cfg
@@ -108,15 +113,12 @@ class SpecDecoder:
         rope = self.drafter.rotary(pos, h.dtype)
         max_ctx = max(max(starts), 1)
         gather = self._gather([c.seq.block_table for c in chunks], max_ctx)
-        k_idx = torch.arange(max_ctx)
-        ctx_ok = k_idx[None, :] < torch.tensor(starts)[:, None]  # [G, C]
-        mask_full = torch.cat([ctx_ok, torch.ones(g, b, dtype=torch.bool)], dim=1)[:, None, None, :].expand(
-            g, 1, b, max_ctx + b)
-        masks = {False: mask_full.to(self.device)}
-        if cfg.sliding_window:
-            recent = k_idx[None, :] >= torch.tensor(starts)[:, None] - cfg.sliding_window
-            m = torch.cat([ctx_ok & recent, torch.ones(g, b, dtype=torch.bool)], dim=1)[:, None, None, :]
-            masks[True] = m.expand(g, 1, b, max_ctx + b).to(self.device)
+        last = torch.tensor(starts)[:, None] - 1  # [G, 1]: the context ends at the last committed token
+        masks = {}
+        for sliding in {False, bool(cfg.sliding_window)}:
+            ctx_ok = causal_mask(last, torch.arange(max_ctx), cfg.sliding_window if sliding else None)[:, 0]
+            m = torch.cat([ctx_ok, torch.ones(g, b, dtype=torch.bool)], dim=1)[:, None, None, :]  # block: all
+            masks[sliding] = m.expand(g, 1, b, max_ctx + b).to(self.device)
         for i, layer in enumerate(self.drafter.layers):
             ctx_k = self.kv.data[i, 0][gather]
             ctx_v = self.kv.data[i, 1][gather]
@@ -129,7 +131,9 @@ class SpecDecoder:
         return self.target.lm_head(h)
 
     def _gather(self, tables: list[list[int]], ctx: int) -> torch.Tensor:
-        return gather_index(tables, ctx, self.kv.block_size).to(self.device)
+        """[G, ctx] cache slots of the drafter context, built on the device from the block tables."""
+        bs = self.kv.block_size
+        return slot_index(torch.from_numpy(pad_tables(tables, -(-ctx // bs))).to(self.device), ctx, bs)
 
     def propose(self, chunks: list[Chunk]) -> list[Chunk]:
         """Verification chunks (last token + draft) for the decoding sequences."""

@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from lucebox.engine.config import ModelConfig, RopeScaling
-from lucebox.engine.models.layers import RMSNorm, Rotary, apply_rotary, rope_inv_freq
+from lucebox.engine.models.dense_attention import dense_attention
+from lucebox.engine.models.layers import RMSNorm, Rotary, apply_rotary, gated_act, rope_inv_freq
 from lucebox.errors import ModelFileError
 
 WEIGHTS = "model.safetensors"
@@ -142,31 +142,40 @@ class DrafterLayer(nn.Module):
     def context_kv(
         self, x_ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K (normed, rotated) and V [T, kv_heads, head_dim] of fused context rows."""
+        """K (normed, rotated) and V [T, kv_heads, head_dim] of fused context rows (block rows: the same math)."""
         a = self.self_attn
         t = x_ctx.shape[0]
         k = a.k_norm(a.k_proj(x_ctx).view(t, self.num_kv_heads, self.head_dim))
         v = a.v_proj(x_ctx).view(t, self.num_kv_heads, self.head_dim)
         return apply_rotary(k, cos, sin), v
 
+    def block_qkv(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k (normed, rotated) and v of block rows h [T, hidden] (the residual stream, normed here)."""
+        a = self.self_attn
+        hn = self.input_layernorm(h)
+        q = apply_rotary(a.q_norm(a.q_proj(hn).view(h.shape[0], self.num_heads, self.head_dim)), cos, sin)
+        k, v = self.context_kv(hn, cos, sin)
+        return q, k, v
+
+    def after_attention(self, h: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
+        """Residual stream h [..., hidden] after the attention output att [..., heads * head_dim]: o_proj and
+        the SwiGLU MLP, each added to the stream."""
+        h = h + self.self_attn.o_proj(att)
+        m = self.mlp
+        x = self.post_attention_layernorm(h)
+        return h + m.down_proj(gated_act(m.gate_proj(x), m.up_proj(x)))
+
     def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx_k: torch.Tensor,
                 ctx_v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """h [G, B, H] block rows; ctx_k/ctx_v [G, C, Hkv, D]; mask [G, 1, B, C + B]."""
-        a = self.self_attn
         g, b, _ = h.shape
-        cos, sin = rope
-        hn = self.input_layernorm(h).view(g * b, -1)
-        q = apply_rotary(a.q_norm(a.q_proj(hn).view(g * b, self.num_heads, self.head_dim)), cos, sin)
-        k = apply_rotary(a.k_norm(a.k_proj(hn).view(g * b, self.num_kv_heads, self.head_dim)), cos, sin)
-        v = a.v_proj(hn).view(g * b, self.num_kv_heads, self.head_dim)
-        keys = torch.cat([ctx_k, k.view(g, b, self.num_kv_heads, self.head_dim)], dim=1).transpose(1, 2)
-        vals = torch.cat([ctx_v, v.view(g, b, self.num_kv_heads, self.head_dim)], dim=1).transpose(1, 2)
-        qs = q.view(g, b, self.num_heads, self.head_dim).transpose(1, 2)
-        out = F.scaled_dot_product_attention(qs, keys, vals, attn_mask=mask, enable_gqa=True)
-        h = h + a.o_proj(out.transpose(1, 2).reshape(g, b, -1))
-        m = self.mlp
-        x = self.post_attention_layernorm(h)
-        return h + m.down_proj(F.silu(m.gate_proj(x)) * m.up_proj(x))
+        q, k, v = self.block_qkv(h.view(g * b, -1), *rope)
+        keys = torch.cat([ctx_k, k.view(g, b, self.num_kv_heads, self.head_dim)], dim=1)
+        vals = torch.cat([ctx_v, v.view(g, b, self.num_kv_heads, self.head_dim)], dim=1)
+        out = dense_attention(q.view(g, b, self.num_heads, self.head_dim), keys, vals, mask=mask[:, 0])
+        return self.after_attention(h, out.reshape(g, b, -1))
 
 
 class DFlashDrafter(nn.Module):

@@ -20,9 +20,8 @@ from typing import Any
 
 import torch
 
-from lucebox.engine.attention import AttentionMetadata, AttnGroup
-from lucebox.engine.cuda_graphs import MIN_CTX, batch_buckets, pick_buckets
-from lucebox.engine.model_runner import ancestor_matrix
+from lucebox.engine.attention import AttentionMetadata, AttnGroup, pad_tables, tree_bits
+from lucebox.engine.cuda_graphs import MIN_CTX, all_buckets, batch_buckets, pick_buckets
 from lucebox.engine.sequence import Chunk
 from lucebox.engine.spec.dflash import SpecDecoder, build_tree, walk
 
@@ -30,9 +29,12 @@ log = logging.getLogger(__name__)
 
 
 class _Graphed:
-    """A function of static buffers, run eagerly or captured once and replayed."""
+    """A function of static buffers, run eagerly or captured once and replayed.
 
-    def __init__(self, fn: Callable[[], Any], device: torch.device, pool: Any) -> None:
+    `like`: the outputs of a graph of the same kind and batch (same shapes) that this one writes its outputs
+    into, so the graphs of every context bucket share one set of outputs in the pool instead of one each."""
+
+    def __init__(self, fn: Callable[[], Any], device: torch.device, pool: Any, like: Any = None) -> None:
         self.fn = fn
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: Any = None
@@ -45,7 +47,11 @@ class _Graphed:
             torch.cuda.current_stream(device).wait_stream(stream)
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph, pool=pool):
-                self.out = fn()
+                out = fn()
+                if like is not None:
+                    _copy_into(like, out)
+                    out = like
+                self.out = out
 
     def __call__(self) -> Any:
         if self.graph is None:
@@ -68,6 +74,9 @@ class StaticSpec:
         self.N = spec.rows_per_step
         self.K = 8 if spec.ddtree and spec.budget > spec.block - 1 else 1
         self.graphs: dict[tuple[str, int, int], _Graphed] = {}
+        self.ready = False  # set by the engine's warm-up; a capture after it is counted
+        self.captures_after_ready = 0
+        self._outs: dict[tuple[str, int], Any] = {}  # (kind, batch) -> the outputs its graphs share
         self.pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
         b, n, nb = self.batches[-1], self.N, self.max_ctx // self.page
         dev, long = self.device, torch.long
@@ -78,13 +87,30 @@ class StaticSpec:
         # verification inputs
         self.v_ids, self.v_pos, self.v_slots = z(b, n), z(b, n), z(b, n)
         self.v_tables, self.v_start = z(b, nb), z(b)
-        self.v_anc = z(b, n, n, dtype=torch.bool)
-        self.v_depth = z(b, n)
+        self.v_tree = z(b, n)  # DDTree: each row's ancestor-or-self bits within the draft
         # accepted-rows inputs
         self.e_rows, self.e_pos, self.e_dslots, self.e_src, self.e_dst = z(b, n), z(b, n), z(b, n), z(b, n), z(b, n)
 
     def buckets_for(self, n: int, ctx: int) -> tuple[int, int] | None:
         return pick_buckets(self.batches, self.max_ctx, n, ctx)
+
+    KINDS = ("draft", "verify", "extend")  # capture order within a bucket: extend reads verify's outputs
+
+    def graph_keys(self) -> list[tuple[str, int, int]]:
+        """Every graph a step can reach, largest bucket first (the start-up capture order)."""
+        return [(kind, b, c) for b, c in all_buckets(self.batches, self.max_ctx) for kind in self.KINDS]
+
+    @torch.inference_mode()
+    def capture_all(self, advance: Callable[[int], None] | None = None) -> int:
+        """Capture every graph not captured yet (start-up); returns how many were captured."""
+        n = 0
+        for kind, b, c in self.graph_keys():
+            if (kind, b, c) not in self.graphs:
+                self._graph(kind, b, c)
+                n += 1
+            if advance is not None:
+                advance(1)
+        return n
 
     # ----- the three graph bodies ---------------------------------------------
 
@@ -115,25 +141,14 @@ class StaticSpec:
         return fn
 
     def _verify_fn(self, b: int, c: int) -> Callable[[], Any]:
-        n, bs, cfg = self.N, self.page, self.target.cfg
+        n, cfg = self.N, self.target.cfg
+        window = cfg.sliding_window if cfg.has_sliding_layers else None
 
         @torch.inference_mode()
         def fn() -> Any:
-            start = self.v_start[:b]
-            kp = self.kpos[:c]
-            tables = self.v_tables[:b]
-            gather = tables[:, kp // bs] * bs + kp % bs
-            rel = kp[None, :] - start[:, None]  # [b, c]: key index relative to the draft's first row
-            in_draft = (rel >= 0) & (rel < n)
-            idx = rel.clamp(0, n - 1)
-            anc = self.v_anc[:b].gather(2, idx[:, None, :].expand(b, n, c))
-            mask = (rel < 0)[:, None, :] | (in_draft[:, None, :] & anc)
-            sliding = None
-            if cfg.has_sliding_layers:
-                k_pos = torch.where(rel < 0, kp[None, :], start[:, None] + self.v_depth[:b].gather(1, idx))
-                q_pos = self.v_pos[:b]
-                sliding = (mask & ((q_pos[:, :, None] - k_pos[:, None, :]) < cfg.sliding_window))[:, None]
-            meta = AttentionMetadata(self.v_slots[:b].flatten(), [AttnGroup(0, b, n, gather, mask[:, None], sliding)])
+            group = AttnGroup(0, b, n, c, self.v_tables[:b], self.v_start[:b] + n, self.v_pos[:b].flatten(),
+                              self.v_tree[:b].flatten() if self.spec.ddtree else None)
+            meta = AttentionMetadata(self.v_slots[:b].flatten(), self.page, [group], window)
             hidden, feats = self.target(self.v_ids[:b].flatten(), self.v_pos[:b].flatten(),
                                         self.spec.target_kv.data, meta, capture=self.spec.capture)
             logits = self.target.logits(hidden)
@@ -166,8 +181,12 @@ class StaticSpec:
         key = (kind, b, c)
         g = self.graphs.get(key)
         if g is None:
+            if self.ready:
+                self.captures_after_ready += 1
+                log.warning("spec graph %s batch=%d ctx=%d captured while serving (the warm-up missed it)", *key)
             make = {"draft": self._draft_fn, "verify": self._verify_fn, "extend": self._extend_fn}[kind]
-            g = self.graphs[key] = _Graphed(make(b, c), self.device, self.pool)
+            g = self.graphs[key] = _Graphed(make(b, c), self.device, self.pool, self._outs.get((kind, b)))
+            self._outs.setdefault((kind, b), g.out)
             log.debug("spec graph %s batch=%d ctx=%d", kind, b, c)
         return g
 
@@ -213,17 +232,15 @@ class StaticSpec:
         v_ids = torch.zeros(b, n, dtype=torch.long)
         v_pos = torch.zeros(b, n, dtype=torch.long)
         v_slots = torch.zeros(b, n, dtype=torch.long)
-        v_anc = torch.eye(n, dtype=torch.bool).expand(b, n, n).clone()
-        v_depth = torch.zeros(b, n, dtype=torch.long)
+        v_tree = torch.from_numpy(tree_bits(list(range(-1, n - 1)))).expand(b, n).clone()  # padding: chains
         for i, ch in enumerate(verify):
             depth = ch.depths()
             v_ids[i] = torch.tensor(ch.tokens)
             v_pos[i] = ch.start + torch.tensor(depth)
             v_slots[i] = torch.tensor(spec.target_kv.slots(ch.seq.block_table, ch.start, ch.start + n))
-            v_anc[i] = ancestor_matrix(ch.parents if ch.parents is not None else list(range(-1, n - 1)))
-            v_depth[i] = torch.tensor(depth)
-        for buf, val in ((self.v_ids, v_ids), (self.v_pos, v_pos), (self.v_slots, v_slots), (self.v_anc, v_anc),
-                         (self.v_depth, v_depth)):
+            if ch.parents is not None:
+                v_tree[i] = torch.from_numpy(tree_bits(ch.parents))
+        for buf, val in ((self.v_ids, v_ids), (self.v_pos, v_pos), (self.v_slots, v_slots), (self.v_tree, v_tree)):
             buf[:b].copy_(val)
         self.v_start[:b].copy_(_pad([ch.start for ch in chunks], b))
         self.v_tables[:b].copy_(self._tables([ch.seq.block_table for ch in chunks], b))
@@ -263,13 +280,16 @@ class StaticSpec:
         return committed
 
     def _tables(self, tables: list[list[int]], b: int) -> torch.Tensor:
-        nb = self.max_ctx // self.page
-        out = torch.zeros(b, nb, dtype=torch.long)
-        for i, t in enumerate(tables):
-            t = t[:nb]
-            if t:
-                out[i, : len(t)] = torch.tensor(t)
-        return out
+        return torch.from_numpy(pad_tables(tables, self.max_ctx // self.page, b))
+
+
+def _copy_into(dst: Any, src: Any) -> None:
+    """Copy a graph body's outputs (a tensor, or tuples/lists of them, or None) into same-shaped buffers."""
+    if isinstance(dst, torch.Tensor):
+        dst.copy_(src)
+    elif isinstance(dst, (tuple, list)):
+        for d, s in zip(dst, src):
+            _copy_into(d, s)
 
 
 def _pad(values: list[int], b: int) -> torch.Tensor:

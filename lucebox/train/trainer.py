@@ -2,7 +2,7 @@
 
 `python -m lucebox train-drafter --target MODEL --out DIR`:
 
-1. Prompts: the training split of lucebox.engine.spec.data (the suites `bench spec`
+1. Prompts: the training split of lucebox.train.data (the suites `bench spec`
    measures are never used), rendered with the target's chat template.
 2. Responses: the target generates them (greedy by default), batched through
    LLMEngine. The token ids are cached in OUT/examples.npz: a second run, or a
@@ -52,13 +52,11 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from lucebox.engine import triton_ops
 from lucebox.engine.llm_engine import DTYPES, EngineConfig, LLMEngine
 from lucebox.engine.loader import LoadedModel
 from lucebox.engine.models import DecoderModel
-from lucebox.engine.models.layers import apply_rotary
+from lucebox.engine.models.dense_attention import causal_mask, dense_attention
 from lucebox.engine.sampler import SamplingParams
 from lucebox.engine.sequence import Chunk, Sequence
 from lucebox.engine.spec.drafter import (
@@ -297,21 +295,16 @@ def head_weight(target: DecoderModel) -> torch.Tensor:
     return target.token_embd.weight if target.cfg.tie_word_embeddings else target.output.weight
 
 
-def _rms(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    # The reference math of RMSNorm (differentiable; the CUDA fast path is a forward-only kernel).
-    return triton_ops.rms_norm_ref(x, module.weight, module.eps)
-
-
 def block_mask(anchors: torch.Tensor, ctx_len: int, block: int, window: int | None = None,
                pad_to: int = 1) -> torch.Tensor:
     """[N*B, ctx_len + N*B (padded)] bool: block row of anchor a sees context positions < a (and, with a
-    window, >= a - window) and the B rows of its own block; never another block, never padding."""
+    window, >= a - window) and the B rows of its own block; never another block, never padding.
+
+    The context part is the causal rule of a query at position a - 1, the last committed token's (the
+    drafter's context ends there), so sliding drafter layers see what SpecDecoder gives them."""
     n = anchors.shape[0]
     dev = anchors.device
-    rows_anchor = anchors.repeat_interleave(block)  # [N*B]
-    ctx = torch.arange(ctx_len, device=dev)[None, :] < rows_anchor[:, None]
-    if window is not None:
-        ctx &= torch.arange(ctx_len, device=dev)[None, :] >= (rows_anchor - window)[:, None]
+    ctx = causal_mask(anchors.repeat_interleave(block) - 1, torch.arange(ctx_len, device=dev), window)
     blk_id = torch.arange(n * block, device=dev) // block
     own = blk_id[:, None] == blk_id[None, :]
     total = ctx_len + n * block
@@ -327,12 +320,15 @@ def drafter_hidden(drafter: DFlashDrafter, target: DecoderModel, features: list[
     The same computation as SpecDecoder (extend_context + draft_logprobs) for a
     sequence whose committed tokens are tokens[0..a]: context rows = fused
     features of positions 0..a-1, block = [tokens[a], MASK...] at a..a+B-1.
+    It runs the drafter's own layer methods; only the layout differs: every
+    anchor's block in one attention call over the shared context, kept apart
+    by `block_mask`.
     """
     cfg = drafter.cfg
     b, n = cfg.block_size, anchors.shape[0]
     dev = tokens.device
     ctx_len = int(anchors.max())  # positions >= max anchor are never context
-    x = _rms(drafter.hidden_norm, drafter.fc(torch.cat([f[:ctx_len] for f in features], dim=-1)))
+    x = drafter.fuse([f[:ctx_len] for f in features])
     block_ids = torch.full((n, b), cfg.mask_token_id, dtype=torch.long, device=dev)
     block_ids[:, 0] = tokens[anchors]
     with torch.no_grad():
@@ -344,29 +340,16 @@ def drafter_hidden(drafter: DFlashDrafter, target: DecoderModel, features: list[
     if cfg.sliding_window and any(layer.sliding for layer in drafter.layers):
         masks[True] = block_mask(anchors, ctx_len, b, cfg.sliding_window, pad_to=8)
     pad = masks[False].shape[1] - ctx_len - n * b
-    rep = cfg.num_heads // cfg.num_kv_heads
-    nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     for layer in drafter.layers:
-        a = layer.self_attn
-        kc = apply_rotary(_rms(a.k_norm, a.k_proj(x).view(ctx_len, nkv, hd)), cos_c, sin_c)
-        vc = a.v_proj(x).view(ctx_len, nkv, hd)
-        hn = _rms(layer.input_layernorm, h)
-        q = apply_rotary(_rms(a.q_norm, a.q_proj(hn).view(n * b, nh, hd)), cos_b, sin_b)
-        kb = apply_rotary(_rms(a.k_norm, a.k_proj(hn).view(n * b, nkv, hd)), cos_b, sin_b)
-        vb = a.v_proj(hn).view(n * b, nkv, hd)
+        kc, vc = layer.context_kv(x, cos_c, sin_c)
+        q, kb, vb = layer.block_qkv(h, cos_b, sin_b)
         keys, vals = torch.cat([kc, kb.to(kc.dtype)]), torch.cat([vc, vb.to(vc.dtype)])
         if pad:
-            keys = torch.cat([keys, keys.new_zeros(pad, nkv, hd)])
-            vals = torch.cat([vals, vals.new_zeros(pad, nkv, hd)])
-        keys = keys.repeat_interleave(rep, dim=1).transpose(0, 1)[None]  # query head i uses kv head i // rep
-        vals = vals.repeat_interleave(rep, dim=1).transpose(0, 1)[None]
-        qs = q.to(keys.dtype).transpose(0, 1)[None]
-        att = F.scaled_dot_product_attention(qs, keys, vals, attn_mask=masks[layer.sliding][None, None])
-        h = h + a.o_proj(att[0].transpose(0, 1).reshape(n * b, nh * hd))
-        m = layer.mlp
-        y = _rms(layer.post_attention_layernorm, h)
-        h = h + m.down_proj(F.silu(m.gate_proj(y)) * m.up_proj(y))
-    return _rms(drafter.norm, h).view(n, b, -1)[:, 1:]
+            keys = torch.cat([keys, keys.new_zeros(pad, *keys.shape[1:])])
+            vals = torch.cat([vals, vals.new_zeros(pad, *vals.shape[1:])])
+        att = dense_attention(q.to(keys.dtype), keys, vals, mask=masks[layer.sliding])
+        h = layer.after_attention(h, att.reshape(n * b, -1))
+    return drafter.norm(h).view(n, b, -1)[:, 1:]
 
 
 class _HeadCrossEntropy(torch.autograd.Function):
@@ -880,8 +863,8 @@ def main(args: argparse.Namespace) -> int:
     """`python -m lucebox train-drafter`: prompts → target responses → drafter training → tau."""
     from lucebox.chat.prompt import PromptBuilder
     from lucebox.engine.loader import load_model
-    from lucebox.engine.spec import data
     from lucebox.fetch import resolve_model
+    from lucebox.train import data
 
     t_start = time.monotonic()
     out: Path = args.out
