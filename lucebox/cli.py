@@ -325,7 +325,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
 
 
 def engine_from_args(args: argparse.Namespace, **overrides: Any) -> Any:
-    from lucebox.engine.llm_engine import EngineConfig, LLMEngine
+    from lucebox.engine.runtime.llm_engine import EngineConfig, LLMEngine
     from lucebox.fetch import resolve_model
 
     path = resolve_model(args.model)
@@ -365,7 +365,7 @@ def generate_config(args: argparse.Namespace) -> Any:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from lucebox.api.common import ServerContext
-    from lucebox.engine.sampler import SamplingParams
+    from lucebox.engine.runtime.sampler import SamplingParams
     from lucebox.serve import load_into
 
     messages = parse_messages(args.messages) if args.messages else None

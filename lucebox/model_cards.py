@@ -185,7 +185,7 @@ def _validated(raw: dict[str, Any], where: str) -> dict[str, Any]:
 
 
 def _validated_sampling(sampling: Any, where: str) -> dict[str, float]:
-    from lucebox.engine.sampler import SamplingParams
+    from lucebox.engine.runtime.sampler import SamplingParams
 
     if not isinstance(sampling, dict) or not all(_is_number(v) for v in sampling.values()):
         raise CardError(f"{where}: sampling must be an object of numbers")

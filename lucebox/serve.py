@@ -1,7 +1,7 @@
 """`python -m lucebox [serve]`: configuration, start-up, and the wiring of the HTTP app.
 
 Start-up binds the socket first, then loads the model and warms it up in a
-thread (every CUDA graph captured, every kernel compiled: lucebox/engine/warmup.py),
+thread (every CUDA graph captured, every kernel compiled: lucebox/engine/runtime/warmup.py),
 so `/health` answers 503 `loading` until the engine serves at full speed.
 Configuration precedence: CLI flag > environment (`LUCEBOX_*`) > model card > built-in default; the
 resolved configuration is logged at start and shown at `/props`.
@@ -219,7 +219,7 @@ def resolve_card(cfg: ServerConfig, names: list[str]) -> ModelCard | None:
 def load_into(ctx: ServerContext, cfg: ServerConfig) -> Any:
     """Blocking: resolve and load the model, fill `ctx` (runs in a worker thread); returns the LLMEngine."""
     from lucebox.chat.prompt import PromptBuilder
-    from lucebox.engine.llm_engine import EngineConfig, LLMEngine
+    from lucebox.engine.runtime.llm_engine import EngineConfig, LLMEngine
     from lucebox.fetch import resolve_model
 
     path = resolve_model(cfg.model)
@@ -265,9 +265,9 @@ def load_into(ctx: ServerContext, cfg: ServerConfig) -> Any:
 
 def enable_pflash(engine: Any, cfg: ServerConfig) -> Any:
     """The PFlash service for `--prefill-compression auto|always` (None when off); loads the scorer."""
-    from lucebox.engine.loader import load_model
     from lucebox.engine.pflash import PFlash
     from lucebox.engine.pflash.service import DEFAULT_THRESHOLD, PFlashService
+    from lucebox.engine.weights.loader import load_model
     from lucebox.fetch import resolve_model
 
     cfg.validate()
@@ -392,7 +392,7 @@ def main(args: argparse.Namespace) -> int:
 
 async def start_engine(ctx: ServerContext, cfg: ServerConfig) -> None:
     """Load the model off the loop, then start the engine loop on it."""
-    from lucebox.engine.async_engine import AsyncEngine
+    from lucebox.engine.runtime.async_engine import AsyncEngine
 
     llm = await asyncio.to_thread(load_into, ctx, cfg)
     engine = AsyncEngine(llm, max_queue=cfg.max_queue)

@@ -41,7 +41,7 @@ from lucebox.chat.events import (
     merge_events,
 )
 from lucebox.chat.run import Usage
-from lucebox.engine.sampler import TokenLogprobs
+from lucebox.engine.runtime.sampler import TokenLogprobs
 from lucebox.http import HttpError
 
 QWEN3_TEMPLATE = Path(__file__).parent / "data" / "templates" / "Qwen-Qwen3-0.6B.jinja"

@@ -32,9 +32,9 @@ from lucebox.chat.prompt import PromptBuilder
 from lucebox.chat.request import ChatRequest
 from lucebox.chat.run import GenerationRun
 from lucebox.chat.template import ChatTemplate
-from lucebox.engine.gguf_loader import open_gguf
-from lucebox.engine.sampler import SamplingParams
+from lucebox.engine.runtime.sampler import SamplingParams
 from lucebox.engine.tokenizer import tokenizer_from_gguf
+from lucebox.engine.weights.gguf_loader import open_gguf
 from lucebox.http import HttpServer
 from lucebox.model_cards import ModelCard
 from lucebox.serve import ServerConfig, http_options, make_app, start_engine

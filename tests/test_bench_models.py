@@ -9,8 +9,8 @@ import pytest
 
 from lucebox.bench.decode import mix_qtype, write_random_quant_gguf
 from lucebox.bench.pflash import SHAPES, write_random_gguf
-from lucebox.engine.gguf_loader import open_gguf
-from lucebox.engine.loader import load_model
+from lucebox.engine.weights.gguf_loader import open_gguf
+from lucebox.engine.weights.loader import load_model
 
 
 @pytest.mark.parametrize("mix", ["Q4_K_M", "Q8_0", "F16"])

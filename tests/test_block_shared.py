@@ -16,12 +16,12 @@ import random
 import pytest
 import torch
 
-from lucebox.engine.llm_engine import EngineConfig, LLMEngine
 from lucebox.engine.models.dense_attention import causal_mask, dense_attention
 from lucebox.engine.pflash import PFlashConfig
 from lucebox.engine.pflash.scorer import score_prompt
-from lucebox.engine.sampler import SamplingParams
-from lucebox.engine.sequence import Chunk, Sequence
+from lucebox.engine.runtime.llm_engine import EngineConfig, LLMEngine
+from lucebox.engine.runtime.sampler import SamplingParams
+from lucebox.engine.runtime.sequence import Chunk, Sequence
 from lucebox.train.trainer import TargetFeatures
 
 ARCHS = {  # arch -> tiny-model overrides

@@ -19,9 +19,9 @@ from lucebox.cache.host_pool import HostBufferPool, size_class
 from lucebox.cache.manager import CacheConfig, PrefixCache
 from lucebox.cache.snapshots import gather_kv_into, scatter_kv, snapshot_bytes, snapshot_shape
 from lucebox.chat.template import resolve_chat_template
-from lucebox.engine.kv_cache import BlockPool, KVCache
-from lucebox.engine.llm_engine import EngineConfig, LLMEngine
-from lucebox.engine.sampler import SamplingParams
+from lucebox.engine.runtime.kv_cache import BlockPool, KVCache
+from lucebox.engine.runtime.llm_engine import EngineConfig, LLMEngine
+from lucebox.engine.runtime.sampler import SamplingParams
 
 SYSTEM = ("You are a careful assistant for a small bakery. Answer questions about opening hours, prices and "
           "ingredients in one or two short sentences, and say so when you do not know.")
@@ -214,9 +214,9 @@ def test_a_restore_over_shared_blocks_from_pinned_memory_writes_exactly_its_posi
 
 @needs_cuda
 def test_the_pflash_scorer_overlaps_the_main_stream(smollm2_path):
-    from lucebox.engine.loader import load_model
     from lucebox.engine.pflash import PFlash, PFlashConfig
     from lucebox.engine.pflash.service import PFlashService
+    from lucebox.engine.weights.loader import load_model
 
     loaded = load_model(smollm2_path, device=torch.device("cuda"), dtype=torch.bfloat16, quiet=True)
     service = PFlashService(PFlash.for_model(loaded, config=PFlashConfig(keep_ratio=0.5)), mode="always")

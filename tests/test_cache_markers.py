@@ -13,8 +13,8 @@ from tokenizers import AddedToken
 
 from lucebox.cache.markers import ChatMarkers, NoChatMarkers
 from lucebox.chat.template import ChatTemplate
-from lucebox.engine import gguf_loader
 from lucebox.engine.tokenizer import Tokenizer, tokenizer_from_gguf
+from lucebox.engine.weights import gguf_loader
 from tests.fixtures.tiny_models import hf_tokenizer, tiny_vocab
 
 TEMPLATES = Path(__file__).parent / "data" / "templates"

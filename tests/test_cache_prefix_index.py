@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 from lucebox.cache.prefix_index import PrefixIndex
-from lucebox.engine.kv_cache import BlockPool
+from lucebox.engine.runtime.kv_cache import BlockPool
 
 BS = 4
 

@@ -16,10 +16,10 @@ from lucebox.cache.markers import ChatMarkers
 from lucebox.cache.prefix_index import PrefixIndex
 from lucebox.cache.snapshots import SnapshotPool, gather_kv, prefix_keys, scatter_kv, token_key
 from lucebox.chat.template import resolve_chat_template
-from lucebox.engine.kv_cache import KVCache
-from lucebox.engine.llm_engine import EngineConfig, LLMEngine
-from lucebox.engine.sampler import SamplingParams
-from lucebox.engine.sequence import Chunk, Sequence
+from lucebox.engine.runtime.kv_cache import KVCache
+from lucebox.engine.runtime.llm_engine import EngineConfig, LLMEngine
+from lucebox.engine.runtime.sampler import SamplingParams
+from lucebox.engine.runtime.sequence import Chunk, Sequence
 
 SYSTEM = ("You are a careful assistant for a small bakery. Answer questions about opening hours, prices and "
           "ingredients in one or two short sentences, and say so when you do not know.")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lucebox.cache.snapshots import SnapshotPool, gather_kv, prefix_keys, scatter_kv, token_key
-from lucebox.engine.kv_cache import BlockPool, KVCache
+from lucebox.engine.runtime.kv_cache import BlockPool, KVCache
 
 LAYERS, HEADS, DIM, BS = 3, 2, 8, 4
 

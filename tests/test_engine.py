@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lucebox.engine.llm_engine import EngineConfig, LLMEngine
-from lucebox.engine.sampler import SamplingParams
+from lucebox.engine.runtime.llm_engine import EngineConfig, LLMEngine
+from lucebox.engine.runtime.sampler import SamplingParams
 from lucebox.errors import LuceboxError
 
 TEXTS = [

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lucebox.engine.llm_engine import EngineConfig, LLMEngine
-from lucebox.engine.sampler import (
+from lucebox.engine.runtime.llm_engine import EngineConfig, LLMEngine
+from lucebox.engine.runtime.sampler import (
     REPETITION_PENALTY_RANGE,
     TOP_K_MAX,
     SampleRow,

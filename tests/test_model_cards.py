@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from lucebox.engine.loader import read_model_config
+from lucebox.engine.weights.loader import read_model_config
 from lucebox.model_cards import REPO_CARDS, TIERS, CardError, ModelCard, card_dirs, find_card, load_card, slug
 from lucebox.serve import ServerConfig, resolve_card
 

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from lucebox import procs
-from lucebox.engine.gguf_file import GGUFFile
-from lucebox.engine.loader import load_model, read_model_config
+from lucebox.engine.weights.gguf_file import GGUFFile
+from lucebox.engine.weights.loader import load_model, read_model_config
 from lucebox.errors import ModelFileError
 from tests.fixtures.tiny_models import write_tiny_hf_folder
 

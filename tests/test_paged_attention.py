@@ -18,8 +18,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lucebox.engine import triton_attention
-from lucebox.engine.attention import (
+from lucebox.engine.kernels import triton_attention
+from lucebox.engine.kernels.attention import (
     MAX_TREE_ROWS,
     AttentionMetadata,
     AttnGroup,
@@ -308,7 +308,7 @@ def test_kernel_half_precision(dtype, dim):
 
 @pytest.fixture(scope="module")
 def engine(smollm2_path):
-    from lucebox.engine.llm_engine import EngineConfig, LLMEngine
+    from lucebox.engine.runtime.llm_engine import EngineConfig, LLMEngine
 
     return LLMEngine.from_path(smollm2_path, EngineConfig(device="cpu", dtype="float32", kv_tokens=1024), quiet=True)
 
@@ -317,8 +317,8 @@ def test_runner_mixed_step_is_one_transfer_and_equals_each_chunk_alone(engine):
     """A step with a decode row, a draft tree, a chunk after a cached prefix and a fresh prompt: every
     input and all the attention metadata live in one array (one host->device copy), and each chunk's
     logits equal that chunk run on a step of its own."""
-    from lucebox.engine.sampler import SamplingParams
-    from lucebox.engine.sequence import Chunk, Sequence
+    from lucebox.engine.runtime.sampler import SamplingParams
+    from lucebox.engine.runtime.sequence import Chunk, Sequence
 
     runner, kv, rng = engine.runner, engine.kv, random.Random(0)
     seqs = []

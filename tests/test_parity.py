@@ -16,8 +16,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lucebox.engine.llm_engine import EngineConfig, LLMEngine
-from lucebox.engine.sampler import SamplingParams
+from lucebox.engine.runtime.llm_engine import EngineConfig, LLMEngine
+from lucebox.engine.runtime.sampler import SamplingParams
 from tests.fixtures.tiny_models import ARCHS, QTYPES, transformers_gguf_kwargs
 from tests.memory import release_memory
 

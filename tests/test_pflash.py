@@ -12,11 +12,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lucebox.engine.loader import load_model
 from lucebox.engine.models.dense_attention import dense_attention
 from lucebox.engine.pflash import PFlash, PFlashConfig, ScoredPrompt, same_tokenizer, select_chunks, token_importance
 from lucebox.engine.pflash.selection import anchor_chunks, chunk_means, head_tail, smooth
 from lucebox.engine.pflash.sparse import select_blocks, sparse_attention
+from lucebox.engine.weights.loader import load_model
 from lucebox.errors import LuceboxError
 from tests.fixtures.tiny_models import tiny_hf_model
 
@@ -367,7 +367,7 @@ def test_niah_on_the_default_model_keeps_the_needle(smollm2_path):
     given only the compressed prompt, answers it."""
     from lucebox.bench.pflash import Haystack, _documents, run_prompt
     from lucebox.chat.prompt import PromptBuilder
-    from lucebox.engine.llm_engine import EngineConfig, LLMEngine
+    from lucebox.engine.runtime.llm_engine import EngineConfig, LLMEngine
 
     engine = LLMEngine.from_path(smollm2_path, EngineConfig(device="cpu", dtype="float32", max_num_seqs=1,
                                                             kv_tokens=4096), quiet=True)

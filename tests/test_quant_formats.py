@@ -13,8 +13,8 @@ import torch
 from gguf import quants
 from gguf.constants import GGMLQuantizationType
 
-from lucebox.engine.gguf_loader import unpermute_qk
-from lucebox.engine.quant import FORMATS, QUANT_TYPES, QuantWeight, dequantize, row_bytes
+from lucebox.engine.weights.gguf_loader import unpermute_qk
+from lucebox.engine.weights.quant import FORMATS, QUANT_TYPES, QuantWeight, dequantize, row_bytes
 
 # Byte offsets of each type's fp16 fields (d, and dmin or m where the type has one).
 F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2),

@@ -1,4 +1,4 @@
-"""The Triton quantized matmul (engine/quant/triton_qmm.py) against the exact torch dequantizer, on odd shapes.
+"""The Triton quantized matmul (engine/kernels/triton_qmm.py) against the exact torch dequantizer, on odd shapes.
 
 Runs on CUDA (bf16 activations, as the engine runs), or on the CPU under Triton's interpreter
 (TRITON_INTERPRET=1, fp32 activations) when triton is importable; skips otherwise. The CUDA-graph and
@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from lucebox.engine.quant import QUANT_TYPES, QuantWeight, linear
+from lucebox.engine.weights.quant import QUANT_TYPES, QuantWeight, linear
 from tests.test_quant_formats import random_weight
 
 if linear.triton_qmm is None:
@@ -119,9 +119,9 @@ def test_embedding_row_gather_captures_in_a_cuda_graph(qtype: str) -> None:
 def test_quantized_model_on_cuda_matches_dense_and_graphs_match_eager(tiny_gguf) -> None:
     """A tiny Q4_K_M-style model (Q4_K with Q6_K attn_v / ffn_down) held quantized vs dequantized at load, and
     its CUDA-graph decode vs eager decode."""
-    from lucebox.engine.llm_engine import EngineConfig, LLMEngine
-    from lucebox.engine.loader import load_model
-    from lucebox.engine.sampler import SamplingParams
+    from lucebox.engine.runtime.llm_engine import EngineConfig, LLMEngine
+    from lucebox.engine.runtime.sampler import SamplingParams
+    from lucebox.engine.weights.loader import load_model
 
     path = tiny_gguf("qwen3", "Q4_K", layer_qtypes=(("attn_v", "Q6_K"), ("ffn_down", "Q6_K")), embed_qtype="Q4_K")
     ids = list(range(3, 60))

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from lucebox.engine.llm_engine import EngineConfig, LLMEngine
-from lucebox.engine.loader import load_model
 from lucebox.engine.models.layers import ConcatLinear, Linear
-from lucebox.engine.sampler import SamplingParams
+from lucebox.engine.runtime.llm_engine import EngineConfig, LLMEngine
+from lucebox.engine.runtime.sampler import SamplingParams
+from lucebox.engine.weights.loader import load_model
 from tests.fixtures.tiny_models import gguf_qtype_counts, transformers_gguf_kwargs
 
 transformers = pytest.importorskip("transformers")
@@ -77,7 +77,7 @@ def test_mixed_types_in_one_projection_run_side_by_side(tiny_gguf) -> None:
 
 def test_weights_take_the_files_tensor_bytes(smollm2_path) -> None:
     """Quantized weights hold exactly the file's block bytes (plus the small F32 norms)."""
-    from lucebox.engine.gguf_file import GGUFFile
+    from lucebox.engine.weights.gguf_file import GGUFFile
 
     e = engine(smollm2_path, True)
     file_bytes = sum(t.n_bytes for t in GGUFFile(smollm2_path).tensors)
@@ -98,7 +98,7 @@ def test_real_model_quantized_equals_dense(smollm2_path) -> None:
 
 def test_types_without_kernels_are_dequantized_at_load_with_a_log_line(tiny_gguf, caplog) -> None:
     path = tiny_gguf("llama", "Q3_K")
-    with caplog.at_level(logging.INFO, logger="lucebox.engine.gguf_loader"):
+    with caplog.at_level(logging.INFO, logger="lucebox.engine.weights.gguf_loader"):
         e = engine(path, True)
     assert any("Q3_K" in r.getMessage() and "dequantizing" in r.getMessage() for r in caplog.records)
     assert weight_bytes(e)[1] > 0  # held dense

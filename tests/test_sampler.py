@@ -7,7 +7,14 @@ import math
 import pytest
 import torch
 
-from lucebox.engine.sampler import SampleRow, SamplingParams, apply_penalties, filter_logits, make_generator, sample
+from lucebox.engine.runtime.sampler import (
+    SampleRow,
+    SamplingParams,
+    apply_penalties,
+    filter_logits,
+    make_generator,
+    sample,
+)
 
 LOGITS = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])
 

@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from lucebox.engine.llm_engine import EngineConfig, LLMEngine
-from lucebox.engine.loader import read_model_config
-from lucebox.engine.sampler import SamplingParams
+from lucebox.engine.runtime.llm_engine import EngineConfig, LLMEngine
+from lucebox.engine.runtime.sampler import SamplingParams
 from lucebox.engine.spec.dflash import build_tree
 from lucebox.engine.spec.drafter import DFlashDrafter, drafter_config_for, load_drafter, save_drafter
+from lucebox.engine.weights.loader import read_model_config
 from lucebox.errors import ModelFileError
 
 
@@ -88,7 +88,7 @@ def test_default_model_greedy_spec_equals_plain_with_its_shipped_drafter(smollm2
 
 
 def test_shipped_drafter_beats_a_fresh_one_on_held_out_prompts(smollm2_path, tmp_path):
-    from lucebox.engine.loader import load_model
+    from lucebox.engine.weights.loader import load_model
     from lucebox.train.trainer import measure_acceptance
 
     loaded = load_model(smollm2_path, device=torch.device("cpu"), dtype=torch.float32, quiet=True)

@@ -32,11 +32,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lucebox.engine.llm_engine import EngineConfig, LLMEngine
-from lucebox.engine.loader import load_model
-from lucebox.engine.sampler import SamplingParams, filter_logits
+from lucebox.engine.runtime.llm_engine import EngineConfig, LLMEngine
+from lucebox.engine.runtime.sampler import SamplingParams, filter_logits
 from lucebox.engine.spec import dflash
 from lucebox.engine.spec.drafter import save_drafter
+from lucebox.engine.weights.loader import load_model
 from lucebox.train import trainer as T
 
 PROMPT = list(range(5, 30))

@@ -23,11 +23,11 @@ from safetensors import safe_open
 
 from lucebox.cli import build_parser
 from lucebox.data import DATA_DIR
-from lucebox.engine.llm_engine import EngineConfig, LLMEngine
-from lucebox.engine.loader import load_model
-from lucebox.engine.sampler import SamplingParams
-from lucebox.engine.sequence import Chunk
+from lucebox.engine.runtime.llm_engine import EngineConfig, LLMEngine
+from lucebox.engine.runtime.sampler import SamplingParams
+from lucebox.engine.runtime.sequence import Chunk
 from lucebox.engine.spec.drafter import DFlashDrafter, drafter_config_for, load_drafter, save_drafter
+from lucebox.engine.weights.loader import load_model
 from lucebox.errors import LuceboxError
 from lucebox.train import data
 from lucebox.train import trainer as T

@@ -21,10 +21,10 @@ import torch
 
 from lucebox.api.common import ServerContext
 from lucebox.cli import build_parser, generate_config, parse_argv
-from lucebox.engine import warmup
-from lucebox.engine.cuda_graphs import MIN_CTX, all_buckets, batch_buckets, ctx_buckets, pick_buckets
-from lucebox.engine.llm_engine import EngineConfig, LLMEngine
-from lucebox.engine.memory_plan import GB, extrapolate_peak, plan_memory
+from lucebox.engine.runtime import warmup
+from lucebox.engine.runtime.cuda_graphs import MIN_CTX, all_buckets, batch_buckets, ctx_buckets, pick_buckets
+from lucebox.engine.runtime.llm_engine import EngineConfig, LLMEngine
+from lucebox.engine.runtime.memory_plan import GB, extrapolate_peak, plan_memory
 from lucebox.errors import LuceboxError
 from lucebox.http import HttpServer
 from lucebox.serve import ServerConfig, http_options, make_app, start_engine
@@ -66,7 +66,7 @@ def test_every_reachable_bucket_is_enumerated_once(max_batch, n_ctx):
 
 def test_context_buckets_of_the_default_engine_config(smollm2_path):
     """The buckets the default model's server reaches (its context, --max-num-seqs 16) are all enumerated."""
-    from lucebox.engine.loader import read_model_config
+    from lucebox.engine.weights.loader import read_model_config
 
     cfg = ServerConfig()
     max_ctx = _graph_ctx(read_model_config(smollm2_path).max_position, EngineConfig().block_size)
@@ -275,7 +275,7 @@ def test_generate_skips_the_warm_up_unless_asked():
 
 def test_cpu_engine_ignores_gpu_memory_and_keeps_its_kv_size(tiny_gguf):
     """On the CPU the KV cache is sized as before (a few contexts within 1 GiB of RAM), cap or not."""
-    from lucebox.engine.kv_cache import KVCache
+    from lucebox.engine.runtime.kv_cache import KVCache
 
     e = LLMEngine.from_path(tiny_gguf("llama", "F32"), EngineConfig(device="cpu", dtype="float32", gpu_memory=0.001),
                             quiet=True)
@@ -366,7 +366,7 @@ def _stream(url: str, body: dict) -> int:
 
 @needs_cuda
 def test_spec_warm_up_captures_every_graph(smollm2_path, tmp_path):
-    from lucebox.engine.sampler import SamplingParams
+    from lucebox.engine.runtime.sampler import SamplingParams
     from tests.test_spec import random_drafter
 
     draft = random_drafter(smollm2_path, tmp_path / "d", layers=1, block=8, target_layers=[2, 15, 27])
@@ -382,7 +382,7 @@ def test_spec_warm_up_captures_every_graph(smollm2_path, tmp_path):
 
 @needs_cuda
 def test_gpu_memory_cap_sizes_the_kv_cache_and_holds(smollm2_path):
-    from lucebox.engine.sampler import SamplingParams
+    from lucebox.engine.runtime.sampler import SamplingParams
 
     release_memory()
     torch.cuda.empty_cache()

@@ -25,9 +25,9 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from tokenizers import Tokenizer as HFTokenizer
 from transformers import AutoTokenizer
 
-from lucebox.engine.gguf_file import GGUFFile
 from lucebox.engine.tokenizer import Tokenizer, tokenizer_from_gguf, tokenizer_from_hf_dir
 from lucebox.engine.tokenizer_gguf import _NFC, _PRE
+from lucebox.engine.weights.gguf_file import GGUFFile
 from lucebox.errors import ModelFileError
 
 DATA = Path(__file__).parent / "data"

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-triton_attention = pytest.importorskip("lucebox.engine.triton_attention")
+triton_attention = pytest.importorskip("lucebox.engine.kernels.triton_attention")
 if triton_attention.triton is None:
     pytest.skip("triton is not installed", allow_module_level=True)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,4 +1,4 @@
-"""The fused Triton kernels (lucebox/engine/triton_ops.py) against their torch references, and the decoder's
+"""The fused Triton kernels (lucebox/engine/kernels/triton_ops.py) against their torch references, and the decoder's
 fused path against its eager path on tiny models of every architecture.
 
 Runs on CUDA, or on the CPU under Triton's interpreter (TRITON_INTERPRET=1) when triton is importable; skips
@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-ops = pytest.importorskip("lucebox.engine.triton_ops")
+ops = pytest.importorskip("lucebox.engine.kernels.triton_ops")
 if ops.triton is None:
     pytest.skip("triton is not installed", allow_module_level=True)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -195,8 +195,8 @@ def kernels_on_cpu(monkeypatch):
 def prefill(engine, ids: list[int]) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
     """One prompt through the model as `LLMEngine.score` runs it: logits, the outputs of the first and last
     layers (DFlash's capture), and the first block called on its own (`DecoderBlock.forward`)."""
-    from lucebox.engine.sampler import SamplingParams
-    from lucebox.engine.sequence import Chunk, Sequence
+    from lucebox.engine.runtime.sampler import SamplingParams
+    from lucebox.engine.runtime.sequence import Chunk, Sequence
 
     model = engine.loaded.model
     seq = Sequence(list(ids), SamplingParams())
@@ -216,8 +216,8 @@ def prefill(engine, ids: list[int]) -> tuple[torch.Tensor, list[torch.Tensor], t
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
 def test_fused_decoder_matches_eager(arch, tiny_gguf, monkeypatch, kernels_on_cpu):
-    from lucebox.engine.llm_engine import EngineConfig, LLMEngine
-    from lucebox.engine.sampler import SamplingParams
+    from lucebox.engine.runtime.llm_engine import EngineConfig, LLMEngine
+    from lucebox.engine.runtime.sampler import SamplingParams
 
     path = tiny_gguf(arch)
     ids = [(7 * i + 3) % 200 + 3 for i in range(20)]  # > 16 tokens: crosses tiny Gemma 3's sliding window

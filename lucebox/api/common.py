@@ -17,8 +17,8 @@ from typing import Any
 from lucebox.chat.prompt import PromptBuilder
 from lucebox.chat.replay import ToolCallReplay
 from lucebox.chat.request import bad_field, json_type, show_value
-from lucebox.engine.async_engine import AsyncEngine
-from lucebox.engine.sampler import SamplingParams
+from lucebox.engine.runtime.async_engine import AsyncEngine
+from lucebox.engine.runtime.sampler import SamplingParams
 from lucebox.http import HttpError
 from lucebox.metrics import Metrics
 from lucebox.model_cards import ModelCard

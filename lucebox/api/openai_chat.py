@@ -48,7 +48,7 @@ from lucebox.chat.events import (
 )
 from lucebox.chat.request import ChatRequest, bad_field, show_value
 from lucebox.chat.run import GenerationRun, Usage
-from lucebox.engine.sampler import TokenLogprobs
+from lucebox.engine.runtime.sampler import TokenLogprobs
 from lucebox.engine.tokenizer import Tokenizer
 from lucebox.http import HttpError, Request, Response, Router, error_body
 from lucebox.http.router import log_failure

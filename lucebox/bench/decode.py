@@ -38,9 +38,9 @@ import numpy as np
 import torch
 
 from lucebox.bench.report import environment, print_table, write_json
-from lucebox.engine.llm_engine import LLMEngine
-from lucebox.engine.quant import linear as quant_linear
-from lucebox.engine.sampler import SamplingParams
+from lucebox.engine.runtime.llm_engine import LLMEngine
+from lucebox.engine.runtime.sampler import SamplingParams
+from lucebox.engine.weights.quant import linear as quant_linear
 from lucebox.progress import Progress
 
 REPEATS = 3
@@ -232,7 +232,7 @@ def main(args: argparse.Namespace) -> int:
     env, cuda_graphs, dtype = environment(device), engine.runner.uses_cuda_graphs, engine.loaded.dtype
     model_path = engine.loaded.path
     if compare:
-        from lucebox.engine.loader import load_model
+        from lucebox.engine.weights.loader import load_model
 
         path, config = engine.loaded.path, engine.config
         del engine

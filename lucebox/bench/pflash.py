@@ -34,9 +34,9 @@ from typing import Any
 import torch
 
 from lucebox.bench.report import environment, print_table, write_json
-from lucebox.engine.llm_engine import EngineConfig, LLMEngine
 from lucebox.engine.pflash import PFlash, PFlashConfig
-from lucebox.engine.sampler import SamplingParams
+from lucebox.engine.runtime.llm_engine import EngineConfig, LLMEngine
+from lucebox.engine.runtime.sampler import SamplingParams
 from lucebox.errors import LuceboxError
 from lucebox.progress import Progress
 
@@ -152,7 +152,7 @@ class Haystack:
 def retention(args: argparse.Namespace) -> int:
     from lucebox.chat.prompt import PromptBuilder
     from lucebox.cli import engine_from_args
-    from lucebox.engine.loader import load_model
+    from lucebox.engine.weights.loader import load_model
 
     lengths, depths = _ints(args.lengths), _ints(args.depths)
     if not lengths or not depths or any(not 0 <= d <= 100 for d in depths):
@@ -290,7 +290,7 @@ def _text_of_length(tok: Any, docs: list[str], n: int) -> str:
 
 
 def speed(args: argparse.Namespace) -> int:
-    from lucebox.engine.loader import load_model
+    from lucebox.engine.weights.loader import load_model
     from lucebox.fetch import resolve_model
 
     lens = _ints(args.speed_lens)

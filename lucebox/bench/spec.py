@@ -20,8 +20,8 @@ import torch
 
 from lucebox.bench.report import environment, print_table, write_json
 from lucebox.bench.suites import SUITES, load_suite
-from lucebox.engine.llm_engine import LLMEngine
-from lucebox.engine.sampler import SamplingParams
+from lucebox.engine.runtime.llm_engine import LLMEngine
+from lucebox.engine.runtime.sampler import SamplingParams
 from lucebox.errors import LuceboxError
 from lucebox.progress import Progress
 

@@ -55,8 +55,8 @@ from lucebox.cache.snapshots import (
     snapshot_shape,
     token_key,
 )
-from lucebox.engine.kv_cache import KVCache, OutOfBlocks
-from lucebox.engine.sequence import Sequence
+from lucebox.engine.runtime.kv_cache import KVCache, OutOfBlocks
+from lucebox.engine.runtime.sequence import Sequence
 
 log = logging.getLogger(__name__)
 

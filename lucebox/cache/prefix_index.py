@@ -24,7 +24,7 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from lucebox.engine.kv_cache import BlockPool
+from lucebox.engine.runtime.kv_cache import BlockPool
 
 
 @dataclass(eq=False)

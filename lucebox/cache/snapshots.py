@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from lucebox.cache.host_pool import HostBuffer, HostBufferPool
-from lucebox.engine.kv_cache import KVCache
+from lucebox.engine.runtime.kv_cache import KVCache
 
 KINDS = ("prefix", "exact")
 

@@ -6,8 +6,8 @@ from pathlib import Path
 from typing import Any
 
 from lucebox.chat.template import ChatTemplate, resolve_chat_template
-from lucebox.engine.loader import LoadedModel
 from lucebox.engine.tokenizer import Tokenizer
+from lucebox.engine.weights.loader import LoadedModel
 
 
 class PromptBuilder:

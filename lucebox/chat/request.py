@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from lucebox.engine.sampler import SamplingParams
+from lucebox.engine.runtime.sampler import SamplingParams
 from lucebox.http import HttpError
 
 

@@ -25,9 +25,9 @@ from lucebox.chat.reasoning import ReasoningConfig
 from lucebox.chat.request import ChatRequest, bad_field, show_value
 from lucebox.chat.stream import EventPipeline
 from lucebox.chat.template import TemplateError
-from lucebox.engine.async_engine import Generation, QueueFull
 from lucebox.engine.pflash.service import Compression
-from lucebox.engine.sampler import SamplingParams, TokenLogprobs
+from lucebox.engine.runtime.async_engine import Generation, QueueFull
+from lucebox.engine.runtime.sampler import SamplingParams, TokenLogprobs
 from lucebox.errors import LuceboxError
 from lucebox.http import HttpError
 from lucebox.http.router import CLIENT_CLOSED

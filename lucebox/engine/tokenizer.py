@@ -30,7 +30,7 @@ import tokenizers
 from lucebox.errors import ModelFileError
 
 if TYPE_CHECKING:
-    from lucebox.engine.gguf_file import GGUFFile
+    from lucebox.engine.weights.gguf_file import GGUFFile
 
 log = logging.getLogger(__name__)
 

@@ -24,12 +24,12 @@ from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers,
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.models import BPE
 
-from lucebox.engine.config_check import describe
 from lucebox.engine.tokenizer import Tokenizer
+from lucebox.engine.weights.config_check import describe
 from lucebox.errors import ModelFileError
 
 if TYPE_CHECKING:
-    from lucebox.engine.gguf_file import GGUFFile
+    from lucebox.engine.weights.gguf_file import GGUFFile
 
 log = logging.getLogger(__name__)
 

@@ -53,12 +53,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from lucebox.engine.llm_engine import DTYPES, EngineConfig, LLMEngine
-from lucebox.engine.loader import LoadedModel
 from lucebox.engine.models import DecoderModel
 from lucebox.engine.models.dense_attention import causal_mask, dense_attention
-from lucebox.engine.sampler import SamplingParams
-from lucebox.engine.sequence import Chunk, Sequence
+from lucebox.engine.runtime.llm_engine import DTYPES, EngineConfig, LLMEngine
+from lucebox.engine.runtime.sampler import SamplingParams
+from lucebox.engine.runtime.sequence import Chunk, Sequence
 from lucebox.engine.spec.drafter import (
     DFlashDrafter,
     DrafterConfig,
@@ -67,6 +66,7 @@ from lucebox.engine.spec.drafter import (
     load_drafter,
     save_drafter,
 )
+from lucebox.engine.weights.loader import LoadedModel
 from lucebox.errors import LuceboxError
 
 EXAMPLES = "examples.npz"
@@ -862,7 +862,7 @@ def evaluate_fresh(loaded: LoadedModel, drafter: DFlashDrafter, opts: RunOptions
 def main(args: argparse.Namespace) -> int:
     """`python -m lucebox train-drafter`: prompts → target responses → drafter training → tau."""
     from lucebox.chat.prompt import PromptBuilder
-    from lucebox.engine.loader import load_model
+    from lucebox.engine.weights.loader import load_model
     from lucebox.fetch import resolve_model
     from lucebox.train import data
 

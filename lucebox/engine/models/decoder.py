@@ -27,9 +27,9 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from lucebox.engine import triton_ops as ops
-from lucebox.engine.attention import AttentionMetadata, paged_attention
-from lucebox.engine.config import ModelConfig
+from lucebox.engine.kernels import triton_ops as ops
+from lucebox.engine.kernels.attention import AttentionMetadata, paged_attention
+from lucebox.engine.models.config import ModelConfig
 from lucebox.engine.models.layers import (
     Embedding,
     Linear,

@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lucebox.engine import triton_ops
-from lucebox.engine.config import RopeScaling
-from lucebox.engine.quant import QuantWeight, qlinear
+from lucebox.engine.kernels import triton_ops
+from lucebox.engine.models.config import RopeScaling
+from lucebox.engine.weights.quant import QuantWeight, qlinear
 
 
 class _MaybeQuant(nn.Module):

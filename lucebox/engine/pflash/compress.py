@@ -15,11 +15,11 @@ from dataclasses import dataclass
 
 import torch
 
-from lucebox.engine.loader import LoadedModel
 from lucebox.engine.pflash.config import PFlashConfig
 from lucebox.engine.pflash.scorer import token_importance
 from lucebox.engine.pflash.selection import Selection, select_chunks
 from lucebox.engine.tokenizer import Tokenizer
+from lucebox.engine.weights.loader import LoadedModel
 from lucebox.errors import LuceboxError
 
 log = logging.getLogger(__name__)

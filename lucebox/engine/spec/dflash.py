@@ -21,12 +21,12 @@ from typing import Any
 
 import torch
 
-from lucebox.engine.attention import MAX_TREE_ROWS, pad_tables, slot_index
-from lucebox.engine.config import ModelConfig
-from lucebox.engine.kv_cache import KVCache
+from lucebox.engine.kernels.attention import MAX_TREE_ROWS, pad_tables, slot_index
 from lucebox.engine.models import DecoderModel
+from lucebox.engine.models.config import ModelConfig
 from lucebox.engine.models.dense_attention import causal_mask
-from lucebox.engine.sequence import Chunk, Sequence
+from lucebox.engine.runtime.kv_cache import KVCache
+from lucebox.engine.runtime.sequence import Chunk, Sequence
 from lucebox.engine.spec.drafter import DFlashDrafter
 
 

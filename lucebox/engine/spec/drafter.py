@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lucebox.engine.config import ModelConfig, RopeScaling
+from lucebox.engine.models.config import ModelConfig, RopeScaling
 from lucebox.engine.models.dense_attention import dense_attention
 from lucebox.engine.models.layers import RMSNorm, Rotary, apply_rotary, gated_act, rope_inv_freq
 from lucebox.errors import ModelFileError

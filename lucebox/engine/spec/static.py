@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from lucebox.engine.attention import AttentionMetadata, AttnGroup, pad_tables, tree_bits
-from lucebox.engine.cuda_graphs import MIN_CTX, all_buckets, batch_buckets, pick_buckets
-from lucebox.engine.sequence import Chunk
+from lucebox.engine.kernels.attention import AttentionMetadata, AttnGroup, pad_tables, tree_bits
+from lucebox.engine.runtime.cuda_graphs import MIN_CTX, all_buckets, batch_buckets, pick_buckets
+from lucebox.engine.runtime.sequence import Chunk
 from lucebox.engine.spec.dflash import SpecDecoder, build_tree, walk
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lucebox.engine.config import ModelConfig
+from lucebox.engine.models.config import ModelConfig
 
 
 class OutOfBlocks(RuntimeError):

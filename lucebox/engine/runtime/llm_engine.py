@@ -16,18 +16,25 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lucebox.engine.cuda_graphs import batch_buckets
-from lucebox.engine.kv_cache import KVCache
-from lucebox.engine.loader import LoadedModel, load_model
-from lucebox.engine.model_runner import ModelRunner, is_decode
-from lucebox.engine.sampler import SampleRow, SamplingError, SamplingParams, TokenLogprobs, make_generator, sample
-from lucebox.engine.scheduler import Scheduler
-from lucebox.engine.sequence import Chunk, Sequence
+from lucebox.engine.runtime.cuda_graphs import batch_buckets
+from lucebox.engine.runtime.kv_cache import KVCache
+from lucebox.engine.runtime.model_runner import ModelRunner, is_decode
+from lucebox.engine.runtime.sampler import (
+    SampleRow,
+    SamplingError,
+    SamplingParams,
+    TokenLogprobs,
+    make_generator,
+    sample,
+)
+from lucebox.engine.runtime.scheduler import Scheduler
+from lucebox.engine.runtime.sequence import Chunk, Sequence
+from lucebox.engine.weights.loader import LoadedModel, load_model
 from lucebox.errors import LuceboxError
 
 if TYPE_CHECKING:
     from lucebox.cache.manager import PrefixCache
-    from lucebox.engine.memory_plan import MemoryPlan
+    from lucebox.engine.runtime.memory_plan import MemoryPlan
     from lucebox.engine.spec.dflash import SpecDecoder
 
 log = logging.getLogger(__name__)
@@ -141,7 +148,7 @@ class LLMEngine:
         if config.weights not in WEIGHTS:
             raise LuceboxError(f"--weights is {config.weights}; choose from {', '.join(WEIGHTS)}")
         if config.gpu_memory is not None and device.type == "cuda":
-            from lucebox.engine.memory_plan import apply_cap
+            from lucebox.engine.runtime.memory_plan import apply_cap
 
             apply_cap(device, config.gpu_memory)  # before loading, so the weights count against it
         try:
@@ -226,11 +233,11 @@ class LLMEngine:
 
     def _plan_memory(self, drafter: Any = None) -> MemoryPlan:
         """The KV pool's size on a CUDA device: the budget (the --gpu-memory cap, or in use + free) less the
-        weights, a measured activation peak and the graph pool (lucebox.engine.memory_plan); logged in one line.
+        weights, a measured activation peak and the graph pool (lucebox.engine.runtime.memory_plan); logged in one line.
         Without a cap the pool holds at most 4 full contexts, leaving the rest to a scorer, a drafter or a
         benchmark's reference model loaded next to it. A drafter (loaded already) adds its context K/V to
         every block, and its CUDA graphs' outputs (one set per batch bucket) to the graph margin."""
-        from lucebox.engine import memory_plan as mp
+        from lucebox.engine.runtime import memory_plan as mp
 
         cfg, dev = self.config, self.device
         cap = mp.apply_cap(dev, cfg.gpu_memory) if cfg.gpu_memory is not None else None
@@ -270,13 +277,13 @@ class LLMEngine:
         log.info("%s", plan.line())
         return plan
 
-    # ----- start-up warm-up (lucebox.engine.warmup) --------------------------
+    # ----- start-up warm-up (lucebox.engine.runtime.warmup) --------------------------
 
     def warm_up(self, progress: bool = True) -> float:
         """Capture every CUDA graph bucket this configuration can reach and run every eager shape class once,
         so no request waits for a capture or a Triton compile; returns the seconds taken (also logged).
         On the CPU (no graphs, no JIT) one short request. The engine must be idle."""
-        from lucebox.engine import warmup
+        from lucebox.engine.runtime import warmup
         from lucebox.progress import Progress
 
         t = time.monotonic()
@@ -310,7 +317,7 @@ class LLMEngine:
 
     def _tune_quant_kernels(self) -> None:
         """Pick the quantized matmul kernels' launch configs for this model's weight shapes (timed once)."""
-        from lucebox.engine.quant import linear
+        from lucebox.engine.weights.quant import linear
 
         linear.warm_up(self.loaded.model)
 
@@ -323,7 +330,7 @@ class LLMEngine:
     @property
     def compiles_after_ready(self) -> int:
         """Triton kernels compiled in this process since the warm-up: 0 unless it missed a shape."""
-        from lucebox.engine.warmup import COMPILES
+        from lucebox.engine.runtime.warmup import COMPILES
 
         at = getattr(self, "_compiles_at_ready", None)
         return 0 if at is None else COMPILES.count - at

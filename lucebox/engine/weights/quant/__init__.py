@@ -6,8 +6,8 @@ blocks: on CUDA with the Triton kernels of triton_qmm.py (a fused dequantize + d
 of the weight), elsewhere by dequantizing the weight for the call.
 """
 
-from lucebox.engine.quant.dequant import FORMATS, dequantize
-from lucebox.engine.quant.linear import qlinear
-from lucebox.engine.quant.qtensor import QUANT_TYPES, QuantWeight, row_bytes
+from lucebox.engine.weights.quant.dequant import FORMATS, dequantize
+from lucebox.engine.weights.quant.linear import qlinear
+from lucebox.engine.weights.quant.qtensor import QUANT_TYPES, QuantWeight, row_bytes
 
 __all__ = ["FORMATS", "QUANT_TYPES", "QuantWeight", "dequantize", "qlinear", "row_bytes"]

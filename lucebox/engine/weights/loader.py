@@ -10,11 +10,11 @@ from typing import Any
 
 import torch
 
-from lucebox.engine import gguf_loader, hf_loader
-from lucebox.engine.config import ModelConfig
-from lucebox.engine.config_check import describe
 from lucebox.engine.models import DecoderModel
+from lucebox.engine.models.config import ModelConfig
 from lucebox.engine.tokenizer import Tokenizer, tokenizer_from_gguf, tokenizer_from_hf_dir
+from lucebox.engine.weights import gguf_loader, hf_loader
+from lucebox.engine.weights.config_check import describe
 from lucebox.errors import ModelFileError
 from lucebox.progress import Progress
 

@@ -19,10 +19,10 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Any
 
-from lucebox.engine.sampler import SamplingParams
+from lucebox.engine.runtime.sampler import SamplingParams
 
 if TYPE_CHECKING:
-    from lucebox.engine.llm_engine import LLMEngine
+    from lucebox.engine.runtime.llm_engine import LLMEngine
 
 log = logging.getLogger(__name__)
 

@@ -126,8 +126,8 @@ def measure_activations(model: Any, dtype: torch.dtype, device: torch.device, *,
     """Run the largest prefill chunk (from position 0, and ending at `probe_tokens`) and the largest decode
     batch on a probe KV pool of `probe_tokens`, reading the allocator's peak above what was held before each.
     The probe pool is freed before returning (the real pool is sized from these numbers)."""
-    from lucebox.engine.kv_cache import KVCache
-    from lucebox.engine.model_runner import ModelRunner
+    from lucebox.engine.runtime.kv_cache import KVCache
+    from lucebox.engine.runtime.model_runner import ModelRunner
 
     n_blocks = -(-probe_tokens // block_size)
     runner = ModelRunner(model, KVCache.create(model.cfg, n_blocks + 1, block_size, dtype, device))
@@ -142,8 +142,8 @@ def measure_activations(model: Any, dtype: torch.dtype, device: torch.device, *,
 
 def _probe(runner: Any, device: torch.device, *, chunk: int, batch: int, n_ctx: int, probe_tokens: int,
            graphs: bool) -> Measured:
-    from lucebox.engine.sampler import SamplingParams
-    from lucebox.engine.sequence import Chunk, Sequence
+    from lucebox.engine.runtime.sampler import SamplingParams
+    from lucebox.engine.runtime.sequence import Chunk, Sequence
 
     table = list(range(1, runner.kv.pool.num_blocks))
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lucebox.engine.quant.dequant import FORMATS, dequantize
+from lucebox.engine.weights.quant.dequant import FORMATS, dequantize
 
 QUANT_TYPES = tuple(FORMATS)
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from lucebox.engine.sampler import SamplingParams, TokenLogprobs
+from lucebox.engine.runtime.sampler import SamplingParams, TokenLogprobs
 
 _ids = itertools.count()
 

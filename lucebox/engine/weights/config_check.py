@@ -18,7 +18,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from lucebox.engine.config import ModelConfig
+from lucebox.engine.models.config import ModelConfig
 from lucebox.errors import ModelFileError
 
 # ModelConfig field -> (lowest, highest) allowed value.

@@ -7,10 +7,10 @@ import os
 import torch
 import torch.nn.functional as F
 
-from lucebox.engine.quant.qtensor import QuantWeight
+from lucebox.engine.weights.quant.qtensor import QuantWeight
 
 try:
-    from lucebox.engine.quant import triton_qmm
+    from lucebox.engine.weights.quant import triton_qmm
 except ImportError:  # CPU-only installs: no triton
     triton_qmm = None  # type: ignore[assignment]
 

@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
-from lucebox.engine import triton_attention
-from lucebox.engine.attention import AttentionMetadata, AttnGroup
-from lucebox.engine.sequence import Chunk
+from lucebox.engine.kernels import triton_attention
+from lucebox.engine.kernels.attention import AttentionMetadata, AttnGroup
+from lucebox.engine.runtime.sequence import Chunk
 
 log = logging.getLogger(__name__)
 

@@ -19,9 +19,9 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
-from lucebox.engine.kv_cache import KVCache
-from lucebox.engine.sampler import TokenLogprobs
-from lucebox.engine.sequence import Chunk, SeqStatus, Sequence
+from lucebox.engine.runtime.kv_cache import KVCache
+from lucebox.engine.runtime.sampler import TokenLogprobs
+from lucebox.engine.runtime.sequence import Chunk, SeqStatus, Sequence
 
 if TYPE_CHECKING:
     from lucebox.cache.manager import PrefixCache

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
-from lucebox.engine.config_check import describe
+from lucebox.engine.weights.config_check import describe
 from lucebox.errors import ModelFileError
 
 _SCALARS = {

@@ -30,9 +30,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from lucebox.engine.llm_engine import LLMEngine, StepOutput
-from lucebox.engine.sampler import SamplingParams
-from lucebox.engine.sequence import Sequence
+from lucebox.engine.runtime.llm_engine import LLMEngine, StepOutput
+from lucebox.engine.runtime.sampler import SamplingParams
+from lucebox.engine.runtime.sequence import Sequence
 from lucebox.errors import LuceboxError
 
 log = logging.getLogger(__name__)

@@ -17,11 +17,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from lucebox.engine.attention import AttentionMetadata, AttnGroup, pad_tables, tree_bits
-from lucebox.engine.cuda_graphs import CudaGraphDecoder
-from lucebox.engine.kv_cache import KVCache
+from lucebox.engine.kernels.attention import AttentionMetadata, AttnGroup, pad_tables, tree_bits
 from lucebox.engine.models import DecoderModel
-from lucebox.engine.sequence import Chunk
+from lucebox.engine.runtime.cuda_graphs import CudaGraphDecoder
+from lucebox.engine.runtime.kv_cache import KVCache
+from lucebox.engine.runtime.sequence import Chunk
 
 
 @dataclass

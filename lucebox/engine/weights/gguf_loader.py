@@ -27,10 +27,10 @@ import numpy as np
 import torch
 from gguf import quants
 
-from lucebox.engine.config import SUPPORTED_ARCHS, ModelConfig, RopeScaling, gemma3_layer_types
-from lucebox.engine.config_check import ConfigValues, check_config, check_float, check_int, describe
-from lucebox.engine.gguf_file import GGUFFile
-from lucebox.engine.quant import QUANT_TYPES, QuantWeight, row_bytes
+from lucebox.engine.models.config import SUPPORTED_ARCHS, ModelConfig, RopeScaling, gemma3_layer_types
+from lucebox.engine.weights.config_check import ConfigValues, check_config, check_float, check_int, describe
+from lucebox.engine.weights.gguf_file import GGUFFile
+from lucebox.engine.weights.quant import QUANT_TYPES, QuantWeight, row_bytes
 from lucebox.errors import ModelFileError
 
 log = logging.getLogger(__name__)

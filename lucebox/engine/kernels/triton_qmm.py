@@ -28,8 +28,8 @@ import triton.language as tl
 from triton.compiler.errors import CompilationError
 from triton.runtime.errors import OutOfResources
 
-from lucebox.engine.quant.dequant import FORMATS
-from lucebox.engine.quant.qtensor import QuantWeight, row_bytes
+from lucebox.engine.weights.quant.dequant import FORMATS
+from lucebox.engine.weights.quant.qtensor import QuantWeight, row_bytes
 
 # Type id (constexpr in the kernels), elements per chunk (the unit a program steps through), chunks per step,
 # elements per part (see _part).

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from lucebox.engine.config import ModelConfig, RopeScaling, gemma3_layer_types
-from lucebox.engine.config_check import ConfigValues, check_config, check_float, check_int, describe
+from lucebox.engine.models.config import ModelConfig, RopeScaling, gemma3_layer_types
+from lucebox.engine.weights.config_check import ConfigValues, check_config, check_float, check_int, describe
 from lucebox.errors import ModelFileError
 
 _MODEL_TYPES = {

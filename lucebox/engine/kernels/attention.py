@@ -32,7 +32,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from lucebox.engine import triton_attention
+from lucebox.engine.kernels import triton_attention
 
 MAX_TREE_ROWS = 64  # a draft tree's ancestor sets are int64 bitmasks
 
