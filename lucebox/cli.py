@@ -330,6 +330,7 @@ def engine_from_args(args: argparse.Namespace, **overrides: Any) -> Any:
 
     path = resolve_model(args.model)
     cfg = EngineConfig(device=args.device, dtype=args.dtype, n_ctx=args.n_ctx,
+                       weights=getattr(args, "weights", "auto"),
                        gpu_memory=getattr(args, "gpu_memory", None), **overrides)
     return LLMEngine.from_path(path, cfg)
 

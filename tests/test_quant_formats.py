@@ -1,4 +1,4 @@
-"""engine/quant's pure-torch dequantizer against `gguf.quants.dequantize`, bit for bit, and QuantWeight's row
+"""engine/weights/quant's pure-torch dequantizer against `gguf.quants.dequantize`, bit for bit, and QuantWeight's row
 operations (gather, concatenate, un-permute) against the same operations on the dequantized matrix.
 
 Random bytes are valid blocks of every type once the fp16 scale fields hold finite values (the fixtures write

@@ -1,4 +1,4 @@
-"""Models whose GGUF weights stay quantized (engine/quant), on the CPU path: the loader keeps the blocks, and
+"""Models whose GGUF weights stay quantized (engine/weights/quant), on the CPU path: the loader keeps the blocks, and
 the logits equal the dense path's bit for bit (fp32 dequantization is exact) and transformers' on the same
 file within test_parity's tolerance.
 

@@ -19,7 +19,7 @@ shapes in any quant mix (e.g. a Qwen3-8B-shaped Q4_K_M) for such runs.
 (`-p 512 -n 128 -ngl 99 -fa 1 -o json`, after this engine has released the
 device) and puts its pp512 / tg128 beside the prefill 512 and batch-1 decode
 rows. Quantized kernels are tuned and checked for the model's shapes first
-(engine/quant/linear.warm_up), as a server's start-up would.
+(engine/weights/quant/linear.warm_up), as a server's start-up would.
 """
 
 from __future__ import annotations
@@ -326,7 +326,7 @@ def mix_qtype(mix: str, name: str, layer: int, n_layers: int) -> str:
 def write_random_quant_gguf(path: Path, shape: Any, tokenizer_gguf: Path, mix: str = "Q4_K_M",
                             name: str = "random", seed: int = 0, context: int = 4096) -> Path:
     """A Qwen3-architecture GGUF of `shape` (bench.pflash.Shape) with random weights in quant mix `mix`
-    (Q4_K_M, or one of engine/quant's types, or F16) and the tokenizer of `tokenizer_gguf`. For timing only:
+    (Q4_K_M, or one of engine/weights/quant's types, or F16) and the tokenizer of `tokenizer_gguf`. For timing only:
     one random matrix per distinct (shape, type) is shared by the layers (same bytes streamed, same math)."""
     import gguf
 

@@ -3,7 +3,7 @@ whose weight is dense or GGUF-quantized, RMSNorm and rotary embedding.
 
 Their math is the pure-torch reference in triton_ops.py; on CUDA, RMSNorm runs
 the fused Triton kernel instead (`triton_ops.use_kernels`), and quantized
-weights run the kernels of engine/quant.
+weights run the kernels of engine/weights/quant.
 """
 
 from __future__ import annotations

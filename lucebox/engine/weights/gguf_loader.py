@@ -2,10 +2,10 @@
 
 The file is memory-mapped by `GGUFFile`; each tensor's bytes go from the map
 to the device one at a time. On CUDA the linear weights, embedding and LM head
-of the types engine/quant has kernels for stay in their GGUF blocks
+of the types engine/weights/quant has kernels for stay in their GGUF blocks
 (`QuantWeight`), so device memory for weights is about the file's tensor bytes;
 float tensors are converted by torch; other quant types are dequantized at
-load (by engine/quant's torch code, or `gguf.quants` for types it lacks).
+load (by engine/weights/quant's torch code, or `gguf.quants` for types it lacks).
 
 Tensor names stay the GGUF ones (`blk.0.attn_q.weight` …): the model modules
 are named after them. Two conversions happen here so the model code has one
@@ -216,7 +216,7 @@ def iter_gguf_tensors(
     linear weights, embedding and LM head of a type in
     `quant.QUANT_TYPES` come as a QuantWeight: the file's block bytes copied to `device` as they are.
     Everything else is dense in `dtype`: F32/F16/BF16 converted by torch, the listed quant types
-    dequantized by engine/quant's torch code on `device`, and any other type by `gguf.quants` (numpy),
+    dequantized by engine/weights/quant's torch code on `device`, and any other type by `gguf.quants` (numpy),
     logged once per type.
     """
     device = torch.device(device)

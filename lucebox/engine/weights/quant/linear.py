@@ -10,9 +10,11 @@ import torch.nn.functional as F
 from lucebox.engine.weights.quant.qtensor import QuantWeight
 
 try:
-    from lucebox.engine.weights.quant import triton_qmm
-except ImportError:  # CPU-only installs: no triton
-    triton_qmm = None  # type: ignore[assignment]
+    import triton  # noqa: F401
+except ImportError:  # CPU-only installs: no triton, the dequantize-per-call path
+    triton_qmm = None
+else:  # with triton the kernels must import: a broken import is an error, never a silent slow path
+    from lucebox.engine.kernels import triton_qmm
 
 # Tests only: run the kernels on CPU tensors too (requires TRITON_INTERPRET=1, Triton's interpreter).
 ON_CPU = False
