@@ -347,3 +347,17 @@ def test_runner_mixed_step_is_one_transfer_and_equals_each_chunk_alone(engine):
     finally:
         for s in seqs:
             kv.pool.decref(s.block_table)
+
+
+@needs_kernel
+def test_warm_up_launches_every_variant_and_leaves_the_cache_alone() -> None:
+    """The start-up compile pass runs each (rows, split, window, tree) variant through the real entry point."""
+    k = torch.randn(4 * 16, 2, 16, device=DEVICE)
+    v = torch.randn(4 * 16, 2, 16, device=DEVICE)
+    k0, v0 = k.clone(), v.clone()
+    n = triton_attention.warm_up(k, v, num_heads=4, page=16, scale=0.25, max_rows=20, window=8, tree=True,
+                                 context=40)
+    # lengths {5, 17, 19, 20, 32, 48, 64, 112} x 2 windows x 3 split counts, and again with tree bits for
+    # the 7 lengths a tree can have (<= 64 rows)
+    assert n == 8 * 2 * 3 + 7 * 2 * 3
+    assert torch.equal(k, k0) and torch.equal(v, v0)

@@ -378,3 +378,32 @@ def prefill_attention(
             out.stride(0), out.stride(1), N_SPLITS=n_splits, HEAD_DIM=dim,
         )
     return out
+
+
+def warm_up(k_cache: torch.Tensor, v_cache: torch.Tensor, *, num_heads: int, page: int, scale: float,
+            max_rows: int, window: int | None = None, tree: bool = False, context: int = 8192) -> int:
+    """Compile every `prefill_attention` variant a step can reach for this model, at start-up.
+
+    A variant is fixed by the tile config (short or long query groups), whether the keys are split (and
+    Triton's specialisation of the split count and of `q_len`: 1, a multiple of 16, or neither), the tree
+    bits and the window. Synthetic groups read scratch block 0 only. Returns the number of launches."""
+    hkv, dim = k_cache.shape[1], k_cache.shape[2]
+    dev, dtype = k_cache.device, k_cache.dtype
+    lens = sorted({5, 17, 32, 48, 64, 112, max(2, max_rows - 1), max(2, max_rows)})
+    max_ctx = max_rows + context  # keys behind the longest chunk
+    tables = torch.zeros(1, -(-max_ctx // page), dtype=torch.long, device=dev)
+    launches = 0
+    for q_len in lens:
+        q = torch.zeros(q_len, num_heads, dim, dtype=dtype, device=dev)
+        pos = torch.arange(max_ctx - q_len, max_ctx, device=dev)
+        ctx = torch.tensor([max_ctx], device=dev)
+        bits = [None]
+        if tree and q_len <= 64:
+            bits.append(torch.full((q_len,), -1, dtype=torch.long, device=dev))
+        for w in ([None, window] if window else [None]):
+            for t in bits:
+                for splits in (1, 2, 16):
+                    prefill_attention(q, k_cache, v_cache, tables, ctx, pos, t, q_len=q_len, max_ctx=max_ctx,
+                                      page=page, scale=scale, window=w, splits=splits)
+                    launches += 1
+    return launches

@@ -296,6 +296,7 @@ class LLMEngine:
             total = (len(graphs.buckets()) if graphs else 0) + (len(static.graph_keys()) if static else 0)
             bar = Progress("warm-up", total + len(lengths), "steps", quiet=not progress)
             self._tune_quant_kernels()  # first: a graph keeps the launch config it was captured with
+            self._compile_attention(limit)
             captured = graphs.capture_all(bar.advance) if graphs else 0
             captured_spec = static.capture_all(bar.advance) if static else 0
             steps = warmup.warm_requests(self, lengths, bar.advance)
@@ -314,6 +315,20 @@ class LLMEngine:
         log.info("warm-up: %d decode graphs, %d speculative graphs captured, %d steps of every shape class, "
                  "in %.1fs", captured, captured_spec, steps, self.warm_up_seconds)
         return self.warm_up_seconds
+
+    def _compile_attention(self, max_rows: int) -> None:
+        """Every paged prefill-attention variant (tile config, key splits, window, tree) compiled up front: the
+        synthetic requests below cannot reach all of them (the split count depends on the live context)."""
+        from lucebox.engine.kernels import triton_attention
+
+        if not triton_attention.available(self.device):
+            return
+        cfg = self.model_config
+        window = cfg.sliding_window if cfg.has_sliding_layers else None
+        scale = cfg.attn_scale if cfg.attn_scale is not None else cfg.head_dim**-0.5
+        triton_attention.warm_up(self.kv.data[0, 0], self.kv.data[0, 1], num_heads=cfg.num_heads,
+                                 page=self.kv.block_size, scale=scale, window=window,
+                                 max_rows=min(self.config.max_step_tokens, max_rows), tree=self.spec is not None)
 
     def _tune_quant_kernels(self) -> None:
         """Pick the quantized matmul kernels' launch configs for this model's weight shapes (timed once)."""
