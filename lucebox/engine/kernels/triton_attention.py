@@ -387,8 +387,7 @@ def warm_up(k_cache: torch.Tensor, v_cache: torch.Tensor, *, num_heads: int, pag
     A variant is fixed by the tile config (short or long query groups), whether the keys are split (and
     Triton's specialisation of the split count and of `q_len`: 1, a multiple of 16, or neither), the tree
     bits and the window. Synthetic groups read scratch block 0 only. Returns the number of launches."""
-    hkv, dim = k_cache.shape[1], k_cache.shape[2]
-    dev, dtype = k_cache.device, k_cache.dtype
+    dim, dev, dtype = k_cache.shape[2], k_cache.device, k_cache.dtype
     lens = sorted({5, 17, 32, 48, 64, 112, max(2, max_rows - 1), max(2, max_rows)})
     max_ctx = max_rows + context  # keys behind the longest chunk
     tables = torch.zeros(1, -(-max_ctx // page), dtype=torch.long, device=dev)
