@@ -294,3 +294,17 @@ def test_bench_rejects_bad_arguments(tmp_path):
     with pytest.raises(LuceboxError, match="--dialect"):
         serve.main(bench_args(dialect="grpc"))
     assert not (tmp_path / "x.json").exists()
+
+
+def test_the_started_server_gets_the_benchs_engine_flags() -> None:
+    """--weights and --gpu-memory given to a bench reach the server it starts (they were dropped)."""
+    from lucebox import cli
+    from lucebox.bench.serve import serve_command
+
+    args = cli.build_parser().parse_args(["bench", "agent", "--model", "m.gguf", "--weights", "quantized",
+                                          "--gpu-memory", "20", "--kv-tokens", "4096"])
+    cmd = serve_command(args, 8123, 4)
+    for flag, value in (("--weights", "quantized"), ("--gpu-memory", "20.0"), ("--kv-tokens", "4096"),
+                        ("--port", "8123"), ("--max-num-seqs", "4"), ("--model", "m.gguf")):
+        assert cmd[cmd.index(flag) + 1] == value
+    assert "--weights" not in serve_command(cli.build_parser().parse_args(["bench", "agent"]), 1, 1)

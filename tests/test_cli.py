@@ -84,3 +84,13 @@ def test_python_m_lucebox_model_path_serves_that_model(tmp_path):
                      text=True, cwd=ROOT, timeout=120)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines()[-1].startswith(f"lucebox: error: model '{missing}' is neither")
+
+
+@pytest.mark.parametrize("weights, quantized", [("quantized", True), ("dense", False)])
+def test_bench_engines_take_the_weights_and_memory_flags(smollm2_path, weights, quantized):
+    """`bench decode` builds its engine with engine_from_args: --weights must reach the loader (it was dropped,
+    so `bench decode --weights quantized` timed the dense path)."""
+    args = parse("bench", "decode", "--model", str(smollm2_path), "--device", "cpu", "--weights", weights)
+    engine = cli.engine_from_args(args, max_num_seqs=1)
+    assert engine.config.weights == weights
+    assert any(getattr(m, "qtype", None) for m in engine.loaded.model.modules()) is quantized

@@ -370,22 +370,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def serve_command(args: argparse.Namespace, port: int, max_num_seqs: int) -> list[str]:
+    """The `serve` command line a benchmark starts: the bench's engine flags passed through."""
+    cmd = [sys.executable, "-m", "lucebox", "serve", "--host", "127.0.0.1", "--port", str(port),
+           "--device", args.device, "--dtype", args.dtype, "--max-num-seqs", str(max_num_seqs)]
+    if args.model:
+        cmd += ["--model", str(args.model)]
+    if args.n_ctx:
+        cmd += ["--ctx-size", str(args.n_ctx)]
+    if args.chat_template_file:
+        cmd += ["--chat-template-file", str(args.chat_template_file)]
+    if getattr(args, "kv_tokens", None):
+        cmd += ["--kv-tokens", str(args.kv_tokens)]
+    if getattr(args, "weights", "auto") != "auto":
+        cmd += ["--weights", args.weights]
+    if getattr(args, "gpu_memory", None):
+        cmd += ["--gpu-memory", str(args.gpu_memory)]
+    return cmd
+
+
 class ServerProcess:
     """`python -m lucebox serve` on a free local port; its output goes to a temporary log file."""
 
     def __init__(self, args: argparse.Namespace, max_num_seqs: int, extra: Sequence[str] = ()) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "lucebox", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-               "--device", args.device, "--dtype", args.dtype, "--max-num-seqs", str(max_num_seqs)]
-        if args.model:
-            cmd += ["--model", str(args.model)]
-        if args.n_ctx:
-            cmd += ["--ctx-size", str(args.n_ctx)]
-        if args.chat_template_file:
-            cmd += ["--chat-template-file", str(args.chat_template_file)]
-        if getattr(args, "kv_tokens", None):
-            cmd += ["--kv-tokens", str(args.kv_tokens)]
+        cmd = serve_command(args, self.port, max_num_seqs)
         cmd += list(extra)
         self.cmd = cmd
         self.log = tempfile.NamedTemporaryFile(prefix="lucebox-bench-serve-", suffix=".log", delete=False)

@@ -183,7 +183,7 @@ class CudaGraphDecoder:
         del logits
         out_logits, out_tokens = self.out_logits[:batch], self.out_tokens[:batch]
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             logits, tokens = self._forward(batch, c)
             out_logits.copy_(logits)
             out_tokens.copy_(tokens)

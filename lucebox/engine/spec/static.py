@@ -46,7 +46,7 @@ class _Graphed:
                     fn()
             torch.cuda.current_stream(device).wait_stream(stream)
             self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph, pool=pool):
+            with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
                 out = fn()
                 if like is not None:
                     _copy_into(like, out)
