@@ -27,6 +27,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 from lucebox.engine.kernels import triton_attention
@@ -69,6 +70,37 @@ def all_buckets(batches: list[int], max_ctx: int) -> list[tuple[int, int]]:
     return [(b, c) for b in sorted(batches, reverse=True) for c in reversed(ctx_buckets(max_ctx))]
 
 
+class HostTables:
+    """The graph rows' block tables in the pinned host buffer, kept across steps. A decode step's tables
+    barely change (a row's sequence is usually the same, its table one block longer now and then), so a
+    row is rewritten only from the first entry not yet written for the same table; a different table (a
+    new list: tables only grow in place) rewrites the row and clears what is left of the old one."""
+
+    def __init__(self, tables: np.ndarray) -> None:
+        self.t = tables  # [rows, blocks] view of the host buffer
+        self.rows: list[tuple[list[int], int] | None] = [None] * tables.shape[0]  # (table, entries written)
+
+    def fill(self, i: int, table: list[int]) -> None:
+        n = min(len(table), self.t.shape[1])
+        held = self.rows[i]
+        start = 0
+        if held is not None and held[0] is table and held[1] <= n:
+            start = held[1]
+        elif held is not None and held[1] > n:
+            self.t[i, n: held[1]] = 0
+        if n > start:
+            self.t[i, start:n] = table[start:n]
+        self.rows[i] = (table, n)
+
+    def clear_from(self, first: int) -> None:
+        """Rows `first`.. are padding: scratch block 0."""
+        for i in range(first, len(self.rows)):
+            held = self.rows[i]
+            if held is not None:
+                self.t[i, : held[1]] = 0
+                self.rows[i] = None
+
+
 class _Graph:
     def __init__(self, graph: torch.cuda.CUDAGraph, logits: torch.Tensor, tokens: torch.Tensor) -> None:
         self.graph = graph
@@ -97,6 +129,7 @@ class CudaGraphDecoder:
         size = 3 * b + b * nb
         self.host = torch.zeros(size, dtype=torch.long, pin_memory=True)
         self.host_np = self.host.numpy()
+        self.tables = HostTables(self.host_np[3 * b:].reshape(b, nb))
         self.dev = torch.zeros(size, dtype=torch.long, device=self.device)
         self.out_logits: torch.Tensor | None = None  # [bmax, vocab], made at the first capture
         self.out_tokens = torch.zeros(b, dtype=torch.long, device=self.device)
@@ -145,18 +178,19 @@ class CudaGraphDecoder:
         return g.logits[:n], g.tokens[:n]
 
     def _fill(self, chunks: list[Chunk]) -> None:
-        h, b, nb = self.host_np, self.bmax, self.nbmax
+        h, b = self.host_np, self.bmax
         n = len(chunks)
         h[: 3 * b] = 0  # padding rows: token 0 at position 0, written to scratch slot 0
-        tables = h[3 * b:].reshape(b, nb)
         for i, ch in enumerate(chunks):
             table = ch.seq.block_table
             h[i] = ch.seq.token_ids[ch.start]
             h[b + i] = ch.start
             h[2 * b + i] = table[ch.start // self.page] * self.page + ch.start % self.page
-            tables[i, : len(table)] = table[:nb]
-        tables[n:] = 0
-        self.dev.copy_(self.host, non_blocking=True)
+            self.tables.fill(i, table)
+        self.tables.clear_from(n)
+        batch = next(x for x in self.batches if x >= n)  # the bucket's rows are all the graph reads
+        end = 3 * b + batch * self.nbmax
+        self.dev[:end].copy_(self.host[:end], non_blocking=True)
 
     def _meta(self, batch: int, c: int) -> AttentionMetadata:
         ids, pos, slots, tables = self._views(self.dev, batch, c)
