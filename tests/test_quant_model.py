@@ -102,3 +102,16 @@ def test_types_without_kernels_are_dequantized_at_load_with_a_log_line(tiny_gguf
         e = engine(path, True)
     assert any("Q3_K" in r.getMessage() and "dequantizing" in r.getMessage() for r in caplog.records)
     assert weight_bytes(e)[1] > 0  # held dense
+
+
+def test_auto_weights_policy_weighs_the_dense_copy_against_the_gpu_memory_cap():
+    """`--weights auto` keeps blocks quantized when dense weights take over half the room: under a
+    --gpu-memory cap the room is the cap, not the device's free memory (a 16 GB dense copy fits an
+    H200 but not a 24 GB budget)."""
+    from lucebox.engine.weights.gguf_loader import prefer_quantized
+
+    gb = 1 << 30
+    assert not prefer_quantized(16 * gb, free_bytes=139 * gb)
+    assert prefer_quantized(16 * gb, free_bytes=139 * gb, cap_bytes=24 * gb)
+    assert prefer_quantized(16 * gb, free_bytes=20 * gb, cap_bytes=64 * gb)  # the smaller of the two
+    assert not prefer_quantized(4 * gb, free_bytes=139 * gb, cap_bytes=24 * gb)

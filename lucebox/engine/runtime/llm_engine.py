@@ -147,13 +147,15 @@ class LLMEngine:
         device = config.resolve_device()
         if config.weights not in WEIGHTS:
             raise LuceboxError(f"--weights is {config.weights}; choose from {', '.join(WEIGHTS)}")
+        cap = None
         if config.gpu_memory is not None and device.type == "cuda":
             from lucebox.engine.runtime.memory_plan import apply_cap
 
-            apply_cap(device, config.gpu_memory)  # before loading, so the weights count against it
+            cap = apply_cap(device, config.gpu_memory)  # before loading, so the weights count against it
         try:
             loaded = load_model(Path(path), device=device, dtype=config.resolve_dtype(device), quiet=quiet,
-                                quantized=WEIGHTS[config.weights])
+                                quantized=WEIGHTS[config.weights],
+                                cap_bytes=None if cap is None else cap - torch.cuda.memory_reserved(device))
         except torch.cuda.OutOfMemoryError:
             if config.gpu_memory is None:
                 raise

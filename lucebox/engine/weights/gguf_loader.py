@@ -187,28 +187,38 @@ def dense_weight_bytes(reader: GGUFFile, dtype: torch.dtype) -> int:
     return sum(int(np.prod([int(d) for d in t.shape])) * item for t in reader.tensors)
 
 
-def keep_quantized(reader: GGUFFile, dtype: torch.dtype, device: torch.device) -> bool:
+def prefer_quantized(dense_bytes: int, free_bytes: int, cap_bytes: int | None = None) -> bool:
+    """Keep the blocks quantized when the dense weights would take more than half of what the process
+    may use: the device's free memory, or less under a `--gpu-memory` cap."""
+    room = free_bytes if cap_bytes is None else min(free_bytes, cap_bytes)
+    return dense_bytes > room // 2
+
+
+def keep_quantized(reader: GGUFFile, dtype: torch.dtype, device: torch.device, cap_bytes: int | None = None) -> bool:
     """The `auto` weights policy: quantized blocks on CUDA only when the dense copy would not fit.
 
     Dense bf16 decode is faster than today's quantized kernels at every batch size measured on the
-    H200 (8B Q4_K_M: 207 vs 132 tok/s at batch 1), so dense is the default while the dense weights
-    take at most half the free device memory (the rest is KV and activations); a larger model keeps
-    its blocks quantized so it loads at all (a 27B Q4_K_M on a 24 GB card). Files with no quantized
-    tensors, and the CPU, stay dense.
+    H200 (8B Q4_K_M: 214 vs 196 tok/s at batch 1, 3,172 vs 1,245 at batch 16), so dense is the
+    default while the dense weights take at most half the room (`prefer_quantized`: free memory, or
+    the --gpu-memory cap); a larger model keeps its blocks quantized so it loads at all (a 27B Q4_K_M
+    on a 24 GB card). Files with no quantized tensors, and the CPU, stay dense.
     """
     if device.type != "cuda" or not any(t.tensor_type.name in QUANT_TYPES for t in reader.tensors):
         return False
     free, _ = torch.cuda.mem_get_info(device)
+    room = free if cap_bytes is None else min(free, cap_bytes)
     dense = dense_weight_bytes(reader, dtype)
-    keep = dense > free // 2
-    log.info("weights: %s (dense %.1f GiB against %.1f GiB free; --weights quantized|dense overrides)",
-             "quantized blocks" if keep else "dense", dense / 2**30, free / 2**30)
+    keep = prefer_quantized(dense, free, cap_bytes)
+    log.info("weights: %s (dense %.1f GiB against %.1f GiB %s; --weights quantized|dense overrides)",
+             "quantized blocks" if keep else "dense", dense / 2**30, room / 2**30,
+             "free" if cap_bytes is None or free <= cap_bytes else "of --gpu-memory")
     return keep
 
 
 def iter_gguf_tensors(
     reader: GGUFFile, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str,
     quantized: bool | None = None,
+    cap_bytes: int | None = None,
 ) -> Iterator[tuple[str, torch.Tensor | QuantWeight]]:
     """Yield (GGUF name, tensor in numpy row-major shape) straight from the memory map.
 
@@ -220,7 +230,7 @@ def iter_gguf_tensors(
     logged once per type.
     """
     device = torch.device(device)
-    keep = keep_quantized(reader, dtype, device) if quantized is None else quantized
+    keep = keep_quantized(reader, dtype, device, cap_bytes) if quantized is None else quantized
     slow: set[str] = set()
     for t in reader.tensors:
         qtype = t.tensor_type.name

@@ -52,9 +52,11 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     quiet: bool = False,
     quantized: bool | None = None,
+    cap_bytes: int | None = None,
 ) -> LoadedModel:
     """Read config, weights and tokenizer; weights land on `device` in `dtype` (GGUF quant blocks stay
-    quantized where `quantized`, default on CUDA: see gguf_loader.iter_gguf_tensors)."""
+    quantized where `quantized`, default on CUDA: see gguf_loader.iter_gguf_tensors; `cap_bytes` is the
+    --gpu-memory cap that default weighs against)."""
     path = Path(path)
     device = torch.device(device)
     start = time.monotonic()
@@ -74,7 +76,7 @@ def load_model(
         cfg = gguf_loader.gguf_config(reader, path)
         gguf_loader.check_quant_types(reader, path)
         tokenizer = tokenizer_from_gguf(reader)
-        tensors = gguf_loader.iter_gguf_tensors(reader, cfg, dtype, device, quantized)
+        tensors = gguf_loader.iter_gguf_tensors(reader, cfg, dtype, device, quantized, cap_bytes)
         n_tensors = len(reader.tensors)
         template = gguf_loader.field(reader, "tokenizer.chat_template")
         if template is not None and not isinstance(template, str):
