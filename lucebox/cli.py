@@ -30,6 +30,9 @@ def add_engine_args(p: argparse.ArgumentParser, positional: bool = False) -> Non
     p.add_argument("--weights", choices=["auto", "quantized", "dense"], default="auto",
                    help="GGUF quant blocks: auto (kept quantized on CUDA only when the dense copy would not fit) "
                         "| quantized | dense")
+    p.add_argument("--kv-dtype", default=None, metavar="TYPE",
+                   help="KV cache storage: auto (the model's dtype) | bf16 (a bf16 model) | q8_0 (int8 with a scale "
+                        "per token and KV head: ~1.9x the tokens in the same memory); env LUCEBOX_KV_DTYPE for serve")
     p.add_argument("--gpu-memory", type=float, default=None, metavar="GB",
                    help="device memory this process may use, in GB of 2^30 bytes (weights, activations, CUDA "
                         "graphs, KV cache); the KV cache gets what remains (default: what is free on the device); "
@@ -330,7 +333,7 @@ def engine_from_args(args: argparse.Namespace, **overrides: Any) -> Any:
 
     path = resolve_model(args.model)
     cfg = EngineConfig(device=args.device, dtype=args.dtype, n_ctx=args.n_ctx,
-                       weights=getattr(args, "weights", "auto"),
+                       weights=getattr(args, "weights", "auto"), kv_dtype=getattr(args, "kv_dtype", None) or "auto",
                        gpu_memory=getattr(args, "gpu_memory", None), **overrides)
     return LLMEngine.from_path(path, cfg)
 

@@ -45,6 +45,7 @@ class ServerConfig:
     device: str = "auto"
     dtype: str = "auto"
     weights: str = "auto"  # GGUF quant blocks on the device: auto | quantized | dense
+    kv_dtype: str = "auto"  # KV cache storage: auto (the model's dtype) | bf16 | q8_0
     n_ctx: int | None = None
     gpu_memory: float | None = None  # GB the process may use on the device; None = what is free
     warm_up: bool = True  # capture every graph and compile every kernel before /health says ready
@@ -103,6 +104,7 @@ class ServerConfig:
             device=args.device,
             dtype=args.dtype,
             weights=getattr(args, "weights", "auto"),
+            kv_dtype=pick("kv_dtype", "LUCEBOX_KV_DTYPE", str, "auto"),
             n_ctx=args.n_ctx,
             gpu_memory=_number("--gpu-memory", float, pick("gpu_memory", "LUCEBOX_GPU_MEMORY", str, None)),
             chat_template_file=args.chat_template_file,
@@ -225,7 +227,8 @@ def load_into(ctx: ServerContext, cfg: ServerConfig) -> Any:
     path = resolve_model(cfg.model)
     draft = None if cfg.no_draft else cfg.draft
     # the drafter is loaded with the engine, so the memory plan counts it
-    engine_cfg = EngineConfig(device=cfg.device, dtype=cfg.dtype, weights=cfg.weights, n_ctx=cfg.n_ctx,
+    engine_cfg = EngineConfig(device=cfg.device, dtype=cfg.dtype, weights=cfg.weights, kv_dtype=cfg.kv_dtype,
+                              n_ctx=cfg.n_ctx,
                               kv_tokens=cfg.kv_tokens, gpu_memory=cfg.gpu_memory, max_num_seqs=cfg.max_num_seqs,
                               max_step_tokens=cfg.max_step_tokens, draft=draft, ddtree=cfg.ddtree,
                               ddtree_budget=cfg.ddtree_budget)

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from lucebox.engine.kernels import triton_attention
+from lucebox.engine.kernels import kv_quant, triton_attention
 
 MAX_TREE_ROWS = 64  # a draft tree's ancestor sets are int64 bitmasks
 
@@ -133,8 +133,15 @@ def paged_attention(
 
     Writes the new K/V into the cache (unless a fused kernel already did:
     `write_kv=False`), returns the attention output [T, Hq, D].
+    A q8_0 cache (int8 [slots, Hkv, D + 2], kv_quant) is written quantized and read dequantized: every path,
+    a fresh prompt included, attends to the quantized K/V, so cached and uncached prefixes give one result.
     """
-    if write_kv:
+    q8 = kv_quant.is_q8(k_cache)
+    if q8:
+        assert write_kv, "a q8_0 cache is written here (quantized), never by a fused kernel"
+        k_cache.index_copy_(0, meta.slot_mapping, kv_quant.quantize(k))
+        v_cache.index_copy_(0, meta.slot_mapping, kv_quant.quantize(v))
+    elif write_kv:
         k_cache.index_copy_(0, meta.slot_mapping, k)
         v_cache.index_copy_(0, meta.slot_mapping, v)
     kernel = triton_attention.available(q.device) and triton_attention.supports(q.shape[2])
@@ -160,7 +167,8 @@ def attend_group(
     """One group's output [n_seqs * q_len, Hq, D]: the Triton kernels (`kernel`) or the SDPA reference."""
     rows = slice(g.row_start, g.row_start + g.n_seqs * g.q_len)
     n, ql = g.n_seqs, g.q_len
-    if g.fresh and (window is None or ql <= window):
+    q8 = kv_quant.is_q8(k_cache)
+    if g.fresh and not q8 and (window is None or ql <= window):
         # Own rows only, plain causal: SDPA's flash path on CUDA.
         qg = q[rows].view(n, ql, q.shape[1], q.shape[2]).transpose(1, 2)
         kg = k[rows].view(n, ql, k.shape[1], k.shape[2]).transpose(1, 2)
@@ -177,6 +185,9 @@ def attend_group(
             page=page, scale=scale, window=window)
     gather, mask = dense_mask(g, page, window)
     qg = q[rows].view(n, ql, q.shape[1], q.shape[2]).transpose(1, 2)
-    out = F.scaled_dot_product_attention(qg, k_cache[gather].transpose(1, 2), v_cache[gather].transpose(1, 2),
+    kg, vg = k_cache[gather], v_cache[gather]
+    if q8:
+        kg, vg = kv_quant.dequantize(kg, q.dtype), kv_quant.dequantize(vg, q.dtype)
+    out = F.scaled_dot_product_attention(qg, kg.transpose(1, 2), vg.transpose(1, 2),
                                          attn_mask=mask, scale=scale, enable_gqa=True)
     return out.transpose(1, 2).reshape(n * ql, q.shape[1], q.shape[2])

@@ -47,13 +47,15 @@ if triton is not None:
     # The split length is a runtime argument: eager decode steps of any context reuse one compiled kernel.
     @triton.jit(do_not_specialize=["stride_btb", "window", "split_len"])
     def _decode_split(
-        Q, K, V, BT, POS, ACC, LSE,
-        stride_qb, stride_qh, stride_ks, stride_kh, stride_btb,
+        Q, K, V, KS, VS, BT, POS, ACC, LSE,
+        stride_qb, stride_qh, stride_ks, stride_kh, stride_kss, stride_ksh, stride_btb,
         stride_ab, stride_as, stride_ah, stride_lb, stride_ls,
         scale, window, split_len,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-        BLOCK_N: tl.constexpr, SLIDING: tl.constexpr, PRECISION: tl.constexpr,
+        BLOCK_N: tl.constexpr, SLIDING: tl.constexpr, PRECISION: tl.constexpr, Q8: tl.constexpr,
     ):
+        # Q8: K/V are int8 rows with an fp16 scale each (KS/VS: the caches seen as fp16, the scale at
+        # HEAD_DIM // 2): the key scale multiplies the scores, the value scale the probabilities.
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -76,7 +78,12 @@ if triton is not None:
             block = tl.load(BT + b * stride_btb + n // PAGE, mask=valid, other=0)
             slot = block.to(tl.int64) * PAGE + n % PAGE
             k = tl.load(K + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :], mask=valid[:, None], other=0.0)
+            if Q8:
+                k = k.to(q.dtype)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
+            if Q8:
+                ks = tl.load(KS + slot * stride_kss + kvh * stride_ksh + HEAD_DIM // 2, mask=valid, other=0.0)
+                s = s * ks.to(tl.float32)[None, :]
             s = tl.where(valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
             # Rows with nothing seen yet keep m = -inf: guard the exponent.
@@ -84,7 +91,13 @@ if triton is not None:
             p = tl.where(m_new[:, None] == float("-inf"), 0.0, tl.exp(s - m_new[:, None]))
             denom = denom * alpha + tl.sum(p, 1)
             v = tl.load(V + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :], mask=valid[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
+            if Q8:
+                vs = tl.load(VS + slot * stride_kss + kvh * stride_ksh + HEAD_DIM // 2, mask=valid, other=0.0)
+                pv = (p * vs.to(tl.float32)[None, :]).to(q.dtype)
+                v = v.to(q.dtype)
+            else:
+                pv = p.to(v.dtype)
+            acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=PRECISION).to(tl.float32)
             m = m_new
         out = acc / tl.where(denom == 0.0, 1.0, denom)[:, None]
         lse = tl.where(denom == 0.0, float("-inf"), m + tl.log(tl.where(denom == 0.0, 1.0, denom)))
@@ -111,10 +124,10 @@ if triton is not None:
 
     @triton.jit
     def _prefill_tile(
-        acc, m_i, l_i, q, n0, K, V, bt_row, qpos_seq, kvh, stride_ks, stride_kh,
+        acc, m_i, l_i, q, n0, K, V, KS, VS, bt_row, qpos_seq, kvh, stride_ks, stride_kh, stride_kss, stride_ksh,
         ctx, start, kidx, qpos, bits, qk_scale, window, d,
         BLOCK_N: tl.constexpr, PAGE: tl.constexpr, MASKED: tl.constexpr, HAS_TREE: tl.constexpr,
-        SLIDING: tl.constexpr, PRECISION: tl.constexpr,
+        SLIDING: tl.constexpr, PRECISION: tl.constexpr, Q8: tl.constexpr, HEAD_DIM: tl.constexpr,
     ):
         """One BLOCK_N key tile of the online softmax; MASKED=False for tiles every row sees whole."""
         n = n0 + tl.arange(0, BLOCK_N)
@@ -130,7 +143,19 @@ if triton is not None:
             k = tl.load(k_ptr, mask=kv_ok[:, None], other=0.0)
         else:
             k = tl.load(k_ptr)
+        if Q8:
+            k = k.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * qk_scale
+        if Q8:  # the rows' fp16 scales (the caches seen as fp16: element HEAD_DIM // 2 of a row)
+            ks_ptr = KS + slot * stride_kss + kvh * stride_ksh + HEAD_DIM // 2
+            vs_ptr = VS + slot * stride_kss + kvh * stride_ksh + HEAD_DIM // 2
+            if MASKED:
+                k_sc = tl.load(ks_ptr, mask=kv_ok, other=0.0).to(tl.float32)
+                v_sc = tl.load(vs_ptr, mask=kv_ok, other=0.0).to(tl.float32)
+            else:
+                k_sc = tl.load(ks_ptr).to(tl.float32)
+                v_sc = tl.load(vs_ptr).to(tl.float32)
+            s = s * k_sc[None, :]
         if MASKED:
             ok = kv_ok[None, :] & (n[None, :] <= kidx[:, None])
             rel = n - start
@@ -157,18 +182,23 @@ if triton is not None:
             p = tl.exp2(s - m_new[:, None])
             v = tl.load(v_ptr)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
+        if Q8:
+            pv = (p * v_sc[None, :]).to(q.dtype)
+            v = v.to(q.dtype)
+        else:
+            pv = p.to(v.dtype)
+        acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=PRECISION).to(tl.float32)
         return acc, m_new, l_i
 
     @triton.jit(do_not_specialize=["stride_btb", "q_len", "window", "n_splits", "split_len"])
     def _prefill(
-        Q, K, V, OUT, BT, CTX, QPOS, TREE, ACC, LSE,
-        stride_qt, stride_qh, stride_ot, stride_oh, stride_ks, stride_kh, stride_btb,
+        Q, K, V, KS, VS, OUT, BT, CTX, QPOS, TREE, ACC, LSE,
+        stride_qt, stride_qh, stride_ot, stride_oh, stride_ks, stride_kh, stride_kss, stride_ksh, stride_btb,
         stride_ab, stride_as, stride_ah, stride_lb, stride_ls,
         q_len, qk_scale, window, n_splits, split_len,
         GROUP: tl.constexpr, QT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, HAS_TREE: tl.constexpr, SLIDING: tl.constexpr,
-        SPLIT_KV: tl.constexpr, PRECISION: tl.constexpr,
+        SPLIT_KV: tl.constexpr, PRECISION: tl.constexpr, Q8: tl.constexpr,
     ):
         # A tile is QT query rows x the GROUP query heads of one KV head: m = row * GROUP + head.
         # SPLIT_KV: program (tile, seq * n_splits + split) covers keys [split * split_len, +split_len) and
@@ -219,17 +249,20 @@ if triton is not None:
         bt_row = BT + seq * stride_btb
         qpos_seq = QPOS + seq * q_len
         for n0 in range(lo_t, a, BLOCK_N):
-            acc, m_i, l_i = _prefill_tile(acc, m_i, l_i, q, n0, K, V, bt_row, qpos_seq, kvh, stride_ks, stride_kh,
+            acc, m_i, l_i = _prefill_tile(acc, m_i, l_i, q, n0, K, V, KS, VS, bt_row, qpos_seq, kvh, stride_ks,
+                                          stride_kh, stride_kss, stride_ksh,
                                           ctx, start, kidx, qpos, bits, qk_scale, window, d, BLOCK_N, PAGE, True,
-                                          HAS_TREE, SLIDING, PRECISION)
+                                          HAS_TREE, SLIDING, PRECISION, Q8, HEAD_DIM)
         for n0 in range(a, b, BLOCK_N):
-            acc, m_i, l_i = _prefill_tile(acc, m_i, l_i, q, n0, K, V, bt_row, qpos_seq, kvh, stride_ks, stride_kh,
+            acc, m_i, l_i = _prefill_tile(acc, m_i, l_i, q, n0, K, V, KS, VS, bt_row, qpos_seq, kvh, stride_ks,
+                                          stride_kh, stride_kss, stride_ksh,
                                           ctx, start, kidx, qpos, bits, qk_scale, window, d, BLOCK_N, PAGE, False,
-                                          HAS_TREE, SLIDING, PRECISION)
+                                          HAS_TREE, SLIDING, PRECISION, Q8, HEAD_DIM)
         for n0 in range(b, hi, BLOCK_N):
-            acc, m_i, l_i = _prefill_tile(acc, m_i, l_i, q, n0, K, V, bt_row, qpos_seq, kvh, stride_ks, stride_kh,
+            acc, m_i, l_i = _prefill_tile(acc, m_i, l_i, q, n0, K, V, KS, VS, bt_row, qpos_seq, kvh, stride_ks,
+                                          stride_kh, stride_kss, stride_ksh,
                                           ctx, start, kidx, qpos, bits, qk_scale, window, d, BLOCK_N, PAGE, True,
-                                          HAS_TREE, SLIDING, PRECISION)
+                                          HAS_TREE, SLIDING, PRECISION, Q8, HEAD_DIM)
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         out = acc / l_safe[:, None]
         if SPLIT_KV:
@@ -240,6 +273,14 @@ if triton is not None:
         else:
             tl.store(OUT + t[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
                      out.to(OUT.dtype.element_ty), mask=row_ok[:, None])
+
+
+def _scale_args(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int, bool]:
+    """The scale pointers and strides of a q8_0 cache (its fp16 view), or placeholders for a float cache."""
+    if k_cache.dtype != torch.int8:
+        return k_cache, v_cache, 0, 0, False
+    ks, vs = k_cache.view(torch.float16), v_cache.view(torch.float16)
+    return ks, vs, ks.stride(0), ks.stride(1), True
 
 
 def split_len(max_ctx: int, max_splits: int = 32, min_split: int = 256) -> tuple[int, int]:
@@ -265,7 +306,7 @@ def decode_attention(
 ) -> torch.Tensor:
     """q [B, Hq, D] (the newest row of each sequence, at `positions`), caches [slots, Hkv, D],
     block_tables [B, blocks] (int64). Returns [B, Hq, D]. Shapes depend only on (B, max_ctx),
-    so it can be captured in a CUDA graph."""
+    so it can be captured in a CUDA graph. A q8_0 cache is int8 [slots, Hkv, D + 2] (kv_quant)."""
     bsz, hq, dim = q.shape
     hkv = k_cache.shape[1]
     group = hq // hkv
@@ -273,14 +314,17 @@ def decode_attention(
     acc = torch.empty(bsz, n_splits, hq, dim, dtype=torch.float32, device=q.device)
     lse = torch.empty(bsz, n_splits, hq, dtype=torch.float32, device=q.device)
     block_n = 64 if dim <= 128 else 32
+    ks, vs, stride_kss, stride_ksh, q8 = _scale_args(k_cache, v_cache)
     _decode_split[(bsz, hkv, n_splits)](
-        q, k_cache, v_cache, block_tables, positions, acc, lse,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
+        q, k_cache, v_cache, ks, vs, block_tables, positions, acc, lse,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), stride_kss, stride_ksh,
+        block_tables.stride(0),
         acc.stride(0), acc.stride(1), acc.stride(2), lse.stride(0), lse.stride(1),
         scale, window or 0, per,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim, PAGE=page,
         BLOCK_N=block_n, SLIDING=window is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 models get exact fp32 dots
+        Q8=q8,
     )
     out = torch.empty_like(q)
     _merge_splits[(bsz, hq)](
@@ -362,14 +406,16 @@ def prefill_attention(
         lse = torch.empty(rows, n_splits, hq, dtype=torch.float32, device=q.device)
     else:
         acc, lse = out, out  # unused
+    ks, vs, stride_kss, stride_ksh, q8 = _scale_args(k_cache, v_cache)
     _prefill[(tiles, n_seqs * n_splits, hkv)](
-        q, k_cache, v_cache, out, block_tables, ctx_lens, q_pos, tree if tree is not None else q_pos, acc, lse,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
+        q, k_cache, v_cache, ks, vs, out, block_tables, ctx_lens, q_pos, tree if tree is not None else q_pos, acc,
+        lse, q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
+        stride_kss, stride_ksh,
         block_tables.stride(0), acc.stride(0), acc.stride(1), acc.stride(2), lse.stride(0), lse.stride(1),
         q_len, scale * LOG2E, window or 0, n_splits, per,
         GROUP=group, QT=qt, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=dim, PAGE=page,
         HAS_TREE=tree is not None, SLIDING=window is not None, SPLIT_KV=n_splits > 1,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", Q8=q8,
         num_warps=warps, num_stages=stages,
     )
     if n_splits > 1:
@@ -381,13 +427,16 @@ def prefill_attention(
 
 
 def warm_up(k_cache: torch.Tensor, v_cache: torch.Tensor, *, num_heads: int, page: int, scale: float,
-            max_rows: int, window: int | None = None, tree: bool = False, context: int = 8192) -> int:
+            max_rows: int, window: int | None = None, tree: bool = False, context: int = 8192,
+            dtype: torch.dtype | None = None) -> int:
     """Compile every `prefill_attention` variant a step can reach for this model, at start-up.
 
     A variant is fixed by the tile config (short or long query groups), whether the keys are split (and
     Triton's specialisation of the split count and of `q_len`: 1, a multiple of 16, or neither), the tree
-    bits and the window. Synthetic groups read scratch block 0 only. Returns the number of launches."""
-    dim, dev, dtype = k_cache.shape[2], k_cache.device, k_cache.dtype
+    bits and the window. Synthetic groups read scratch block 0 only. Returns the number of launches.
+    `dtype`: the compute dtype (default the cache's; required for a q8_0 cache)."""
+    dev, dtype = k_cache.device, dtype or k_cache.dtype
+    dim = k_cache.shape[2] - (2 if k_cache.dtype == torch.int8 else 0)
     lens = sorted({5, 17, 32, 48, 64, 112, max(2, max_rows - 1), max(2, max_rows)})
     max_ctx = max_rows + context  # keys behind the longest chunk
     tables = torch.zeros(1, -(-max_ctx // page), dtype=torch.long, device=dev)

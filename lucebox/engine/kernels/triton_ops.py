@@ -178,7 +178,7 @@ if triton is not None:
         stride_qkv, stride_cos, stride_sin, stride_q_t, stride_q_h, stride_k_t, stride_k_h,
         stride_kc_s, stride_kc_h, stride_vc_s, stride_vc_h, eps,
         HQ: tl.constexpr, HKV: tl.constexpr, HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr,
-        HALF: tl.constexpr, HALF_PAD: tl.constexpr, QK_NORM: tl.constexpr,
+        HALF: tl.constexpr, HALF_PAD: tl.constexpr, QK_NORM: tl.constexpr, WRITE: tl.constexpr = True,
     ):
         t = tl.program_id(0).to(tl.int64)
         d = tl.arange(0, HALF_PAD)
@@ -196,13 +196,15 @@ if triton is not None:
         slot = tl.load(SLOTS + t).to(tl.int64)
         h = tl.arange(0, HKV_PAD)
         mask = (h < HKV)[:, None] & dm[None, :]
-        kc = KC + slot * stride_kc_s + h[:, None] * stride_kc_h + d[None, :]
-        tl.store(kc, k_lo.to(KC.dtype.element_ty), mask=mask)
-        tl.store(kc + HALF, k_hi.to(KC.dtype.element_ty), mask=mask)
+        if WRITE:
+            kc = KC + slot * stride_kc_s + h[:, None] * stride_kc_h + d[None, :]
+            tl.store(kc, k_lo.to(KC.dtype.element_ty), mask=mask)
+            tl.store(kc + HALF, k_hi.to(KC.dtype.element_ty), mask=mask)
         v = row + (HQ + HKV) * 2 * HALF + h[:, None] * (2 * HALF) + d[None, :]
-        vc = VC + slot * stride_vc_s + h[:, None] * stride_vc_h + d[None, :]
-        tl.store(vc, tl.load(v, mask=mask, other=0.0).to(VC.dtype.element_ty), mask=mask)
-        tl.store(vc + HALF, tl.load(v + HALF, mask=mask, other=0.0).to(VC.dtype.element_ty), mask=mask)
+        if WRITE:
+            vc = VC + slot * stride_vc_s + h[:, None] * stride_vc_h + d[None, :]
+            tl.store(vc, tl.load(v, mask=mask, other=0.0).to(VC.dtype.element_ty), mask=mask)
+            tl.store(vc + HALF, tl.load(v + HALF, mask=mask, other=0.0).to(VC.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _act_mul_kernel(GU, OUT, stride_gu, stride_out, n, GELU: tl.constexpr, BLOCK: tl.constexpr):
@@ -289,14 +291,16 @@ def rope_qk_and_cache(
     (rotate-half RoPE), and writes k and v into the caches [slots, Hkv, D] at rows `slots` [T] (int64).
     Returns q [T, Hq, D] and k [T, Hkv, D] (rotated, new tensors) and v [T, Hkv, D] (a view of qkv):
     decode attention reads only q (k/v come from the cache), prefill attention over the new rows uses all three.
+    A q8_0 cache (int8 [slots, Hkv, D + 2]) is not written here: paged_attention quantizes and writes it.
     """
     hq, hkv = n_q_heads, n_kv_heads
-    t, dim = qkv.shape[0], k_cache.shape[-1]
+    write = k_cache.dtype != torch.int8
+    t, dim = qkv.shape[0], k_cache.shape[-1] - (0 if write else 2)
     if qkv.dim() != 2 or qkv.shape[1] != (hq + 2 * hkv) * dim:
         raise ValueError(f"rope_qk_and_cache: qkv {tuple(qkv.shape)} is not [T, ({hq} + 2 * {hkv}) * {dim}]")
     if dim % 2 or cos.shape != (t, dim) or sin.shape != (t, dim) or slots.shape != (t,):
         raise ValueError(f"rope_qk_and_cache: cos/sin must be [{t}, {dim}] (even head_dim), slots [{t}]")
-    if k_cache.shape[1:] != (hkv, dim) or v_cache.shape[1:] != (hkv, dim):
+    if k_cache.shape[1:] != (hkv, dim + (0 if write else 2)) or v_cache.shape[1:] != k_cache.shape[1:]:
         raise ValueError(f"rope_qk_and_cache: caches must be [slots, {hkv}, {dim}]")
     if (q_norm_w is None) != (k_norm_w is None):
         raise ValueError("rope_qk_and_cache: give both q_norm_w and k_norm_w, or neither")
@@ -312,7 +316,7 @@ def rope_qk_and_cache(
         qkv.stride(0), cos.stride(0), sin.stride(0), q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), eps,
         HQ=hq, HKV=hkv, HQ_PAD=max(2, triton.next_power_of_2(hq)), HKV_PAD=max(2, triton.next_power_of_2(hkv)),
-        HALF=half, HALF_PAD=max(2, triton.next_power_of_2(half)), QK_NORM=norm,
+        HALF=half, HALF_PAD=max(2, triton.next_power_of_2(half)), QK_NORM=norm, WRITE=write,
         num_warps=4 if hq * dim <= 4096 else 8,
     )
     v = qkv.view(t, hq + 2 * hkv, dim)[:, hq + hkv:]

@@ -156,7 +156,9 @@ class DecoderBlock(nn.Module):
             k_norm_w=self.attn_k_norm.weight if qk_norm else None,
             eps=self.attn_q_norm.eps if qk_norm else 0.0,
         )
-        a = paged_attention(q, k, v, k_cache, v_cache, meta, scale=self.scale, sliding=self.sliding, write_kv=False)
+        # A q8_0 cache (int8) is left unwritten by the fused kernel: paged_attention quantizes the new rows.
+        a = paged_attention(q, k, v, k_cache, v_cache, meta, scale=self.scale, sliding=self.sliding,
+                            write_kv=k_cache.dtype == torch.int8)
         a = self.attn_output(a.reshape(h.shape[0], -1))
         # Gemma 3's post-attention norm happens in the same kernel, before the add.
         post = self.post_attention_norm.weight if hasattr(self, "post_attention_norm") else None

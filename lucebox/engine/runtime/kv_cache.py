@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lucebox.engine.kernels import kv_quant
 from lucebox.engine.models.config import ModelConfig
 
 
@@ -66,9 +67,23 @@ class BlockPool:
         return freed
 
 
+def resolve_kv_dtype(kv_dtype: str, model_dtype: torch.dtype) -> str:
+    """The KV cache's storage for `--kv-dtype`: "q8_0", or the model's dtype name ("auto"; "bf16" must be it:
+    the kernels read K/V in the compute dtype)."""
+    if kv_dtype not in kv_quant.KV_DTYPES:
+        raise ValueError(f"unknown KV dtype {kv_dtype!r} (choose from {', '.join(kv_quant.KV_DTYPES)})")
+    if kv_dtype == "bf16" and model_dtype != torch.bfloat16:
+        raise ValueError(f"--kv-dtype bf16 needs a bf16 model (this one computes in "
+                         f"{str(model_dtype).removeprefix('torch.')}: add --dtype bf16, or use --kv-dtype q8_0)")
+    return "q8_0" if kv_dtype == "q8_0" else str(model_dtype).removeprefix("torch.")
+
+
 @dataclass
 class KVCache:
-    """KV tensors `[layers, 2, num_blocks * block_size, kv_heads, head_dim]` and their pool."""
+    """KV tensors `[layers, 2, num_blocks * block_size, kv_heads, head_dim]` and their pool.
+
+    A q8_0 cache (`kv_dtype="q8_0"`) is int8 `[..., head_dim + 2]`: each (slot, head) row's values and its
+    fp16 scale (lucebox.engine.kernels.kv_quant); the drafter's context KV stays in the model dtype."""
 
     data: torch.Tensor
     block_size: int
@@ -76,14 +91,30 @@ class KVCache:
 
     @classmethod
     def create(
-        cls, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str
+        cls, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str,
+        kv_dtype: str = "auto",
     ) -> KVCache:
-        shape = (cfg.num_layers, 2, num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
+        dim = cfg.head_dim
+        if kv_dtype == "q8_0":
+            dtype, dim = torch.int8, kv_quant.row_bytes(cfg.head_dim)
+        shape = (cfg.num_layers, 2, num_blocks * block_size, cfg.num_kv_heads, dim)
         return cls(torch.zeros(shape, dtype=dtype, device=device), block_size, BlockPool(num_blocks))
 
     @staticmethod
-    def bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    def bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, kv_dtype: str = "auto") -> int:
+        """Device bytes of one token's K and V over every layer (q8_0: int8 values plus a 2-byte scale per head)."""
+        if kv_dtype == "q8_0":
+            return cfg.num_layers * 2 * cfg.num_kv_heads * kv_quant.row_bytes(cfg.head_dim)
         return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * torch.tensor([], dtype=dtype).element_size()
+
+    @property
+    def quantized(self) -> bool:
+        return kv_quant.is_q8(self.data)
+
+    @property
+    def kv_dtype(self) -> str:
+        """"q8_0" or the storage dtype's name (the prefix cache's layout id includes it)."""
+        return "q8_0" if self.quantized else str(self.data.dtype).removeprefix("torch.")
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lucebox.engine.kernels.kv_quant import KV_DTYPES
 from lucebox.engine.runtime.cuda_graphs import batch_buckets
-from lucebox.engine.runtime.kv_cache import KVCache
+from lucebox.engine.runtime.kv_cache import KVCache, resolve_kv_dtype
 from lucebox.engine.runtime.model_runner import ModelRunner, is_decode
 from lucebox.engine.runtime.sampler import (
     SampleRow,
@@ -62,6 +63,7 @@ class EngineConfig:
     ddtree_budget: int = 22  # tree nodes per verification
     spec_static: bool | None = None  # fixed-shape (CUDA-graph) speculative steps; None = on CUDA only
     weights: str = "auto"  # GGUF quant blocks: auto (quantized on CUDA only if dense won't fit) | quantized | dense
+    kv_dtype: str = "auto"  # KV cache storage: auto (the model's dtype) | bf16 (a bf16 model) | q8_0 (int8 + scales)
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":
@@ -95,6 +97,10 @@ class LLMEngine:
         self.device = loaded.device
         self.n_ctx = min(self.config.n_ctx or loaded.config.max_position, loaded.config.max_position)
         block_size = self.config.block_size
+        try:
+            self.kv_dtype = resolve_kv_dtype(self.config.kv_dtype, loaded.dtype)  # "q8_0" or the model dtype
+        except ValueError as exc:
+            raise LuceboxError(str(exc)) from None
         self.memory_plan: MemoryPlan | None = None
         self.warm_up_seconds: float | None = None  # set by warm_up
         self.warm_up_end: float | None = None  # time.monotonic() when the warm-up ended (ready to serve)
@@ -117,7 +123,8 @@ class LLMEngine:
         else:
             num_blocks = max(2, -(-self._default_kv_tokens() // block_size) + 1)
         try:
-            self.kv = KVCache.create(loaded.config, num_blocks, block_size, loaded.dtype, self.device)
+            self.kv = KVCache.create(loaded.config, num_blocks, block_size, loaded.dtype, self.device,
+                                     kv_dtype=self.kv_dtype)
         except torch.cuda.OutOfMemoryError:
             raise LuceboxError(f"a KV cache of {num_blocks * block_size} tokens does not fit in device memory "
                                "(lower --kv-tokens or --ctx-size)") from None
@@ -147,6 +154,8 @@ class LLMEngine:
         device = config.resolve_device()
         if config.weights not in WEIGHTS:
             raise LuceboxError(f"--weights is {config.weights}; choose from {', '.join(WEIGHTS)}")
+        if config.kv_dtype not in KV_DTYPES:
+            raise LuceboxError(f"--kv-dtype is {config.kv_dtype!r}; choose from {', '.join(KV_DTYPES)}")
         cap = None
         if config.gpu_memory is not None and device.type == "cuda":
             from lucebox.engine.runtime.memory_plan import apply_cap
@@ -170,7 +179,8 @@ class LLMEngine:
         from lucebox.engine.spec.dflash import SpecDecoder
 
         drafter = drafter if drafter is not None else self._load_drafter(draft)
-        self.set_speculation(SpecDecoder(drafter, self.loaded.model, self.kv, ddtree=ddtree, budget=budget))
+        self.set_speculation(SpecDecoder(drafter, self.loaded.model, self.kv, ddtree=ddtree, budget=budget,
+                                         dtype=self.loaded.dtype))
         self.draft_path = Path(draft)
         log.info("speculative decoding: DFlash drafter %s (%d layers, block %d)%s", draft,
                  drafter.cfg.num_layers, drafter.cfg.block_size, f", DDTree budget {budget}" if ddtree else "")
@@ -201,7 +211,7 @@ class LLMEngine:
             dc = self.spec.drafter.cfg
             extra["drafter"] = [model_identity(self.draft_path) if self.draft_path is not None else "unnamed",
                                 dc.num_layers, dc.num_kv_heads, dc.head_dim]
-        layout = layout_id(model_path=self.loaded.path, kv_dtype=self.kv.data.dtype, block_size=self.kv.block_size,
+        layout = layout_id(model_path=self.loaded.path, kv_dtype=self.kv.kv_dtype, block_size=self.kv.block_size,
                            n_ctx=self.n_ctx, template_sha1=template.sha1 if template is not None else "",
                            num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, extra=extra)
         self.cache = PrefixCache(cfg, self.kv, markers, layout, draft_kv=self.spec.kv if self.spec else None)
@@ -230,7 +240,7 @@ class LLMEngine:
     def _default_kv_tokens(self) -> int:
         """Host RAM (CPU devices): room for a few full-context sequences within 1 GiB, leaving room for
         everything else. CUDA devices are sized by `_plan_memory`."""
-        per_token = KVCache.bytes_per_token(self.model_config, self.loaded.dtype)
+        per_token = KVCache.bytes_per_token(self.model_config, self.loaded.dtype, self.kv_dtype)
         return max(self.config.block_size * 2, min(4 * self.n_ctx, (1 << 30) // per_token))
 
     def _plan_memory(self, drafter: Any = None) -> MemoryPlan:
@@ -247,7 +257,7 @@ class LLMEngine:
         weights = torch.cuda.memory_allocated(dev)
         free, _ = torch.cuda.mem_get_info(dev)
         budget = cap if cap is not None else torch.cuda.memory_reserved(dev) + int(free * mp.UNCAPPED_SHARE)
-        per_token = KVCache.bytes_per_token(self.model_config, self.loaded.dtype)
+        per_token = KVCache.bytes_per_token(self.model_config, self.loaded.dtype, self.kv_dtype)
         spec_outputs = 0
         if drafter is not None:
             dc, size = drafter.cfg, torch.tensor([], dtype=self.loaded.dtype).element_size()
@@ -265,7 +275,7 @@ class LLMEngine:
         try:
             measured = mp.measure_activations(self.loaded.model, self.loaded.dtype, dev, block_size=cfg.block_size,
                                               chunk=chunk, batch=cfg.max_num_seqs, n_ctx=self.n_ctx,
-                                              probe_tokens=probe, graphs=cfg.cuda_graphs)
+                                              probe_tokens=probe, graphs=cfg.cuda_graphs, kv_dtype=self.kv_dtype)
         except torch.cuda.OutOfMemoryError:
             where = f"--gpu-memory {cfg.gpu_memory:g} GB" if cap is not None else "the free device memory"
             raise LuceboxError(f"a {chunk}-token prefill chunk does not fit next to the weights "
@@ -330,7 +340,8 @@ class LLMEngine:
         scale = cfg.attn_scale if cfg.attn_scale is not None else cfg.head_dim**-0.5
         triton_attention.warm_up(self.kv.data[0, 0], self.kv.data[0, 1], num_heads=cfg.num_heads,
                                  page=self.kv.block_size, scale=scale, window=window,
-                                 max_rows=min(self.config.max_step_tokens, max_rows), tree=self.spec is not None)
+                                 max_rows=min(self.config.max_step_tokens, max_rows), tree=self.spec is not None,
+                                 dtype=self.loaded.dtype)
 
     def _tune_quant_kernels(self) -> None:
         """Pick the quantized matmul kernels' launch configs for this model's weight shapes (timed once)."""

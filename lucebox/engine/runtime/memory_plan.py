@@ -122,7 +122,7 @@ class Measured:
 
 
 def measure_activations(model: Any, dtype: torch.dtype, device: torch.device, *, block_size: int, chunk: int,
-                        batch: int, n_ctx: int, probe_tokens: int, graphs: bool) -> Measured:
+                        batch: int, n_ctx: int, probe_tokens: int, graphs: bool, kv_dtype: str = "auto") -> Measured:
     """Run the largest prefill chunk (from position 0, and ending at `probe_tokens`) and the largest decode
     batch on a probe KV pool of `probe_tokens`, reading the allocator's peak above what was held before each.
     The probe pool is freed before returning (the real pool is sized from these numbers)."""
@@ -130,7 +130,7 @@ def measure_activations(model: Any, dtype: torch.dtype, device: torch.device, *,
     from lucebox.engine.runtime.model_runner import ModelRunner
 
     n_blocks = -(-probe_tokens // block_size)
-    runner = ModelRunner(model, KVCache.create(model.cfg, n_blocks + 1, block_size, dtype, device))
+    runner = ModelRunner(model, KVCache.create(model.cfg, n_blocks + 1, block_size, dtype, device, kv_dtype=kv_dtype))
     try:
         return _probe(runner, device, chunk=chunk, batch=batch, n_ctx=n_ctx, probe_tokens=probe_tokens,
                       graphs=graphs)

@@ -44,7 +44,7 @@ class SpecStats:
 
 class SpecDecoder:
     def __init__(self, drafter: DFlashDrafter, target: DecoderModel, target_kv: KVCache, *, ddtree: bool = False,
-                 budget: int = 22) -> None:
+                 budget: int = 22, dtype: torch.dtype | None = None) -> None:
         self.drafter = drafter
         self.target = target
         self.target_kv = target_kv
@@ -64,7 +64,12 @@ class SpecDecoder:
         # The drafter's context K/V live in the target's blocks: position p of a sequence is in slot
         # `block_table[p // bs] * bs + p % bs` of both tensors. So a block shared from the prefix cache
         # brings the drafter context of its positions with it, and no second block table is kept.
-        data = KVCache.create(shape_cfg, target_kv.pool.num_blocks, target_kv.block_size, target_kv.data.dtype,
+        # The drafter's K/V stay in the model dtype when the target's cache is q8_0 (it reads them densely).
+        # `dtype`: the model's compute dtype (needed then; by default the target cache's dtype).
+        dtype = dtype or target_kv.data.dtype
+        if not dtype.is_floating_point:
+            raise ValueError("a q8_0 target KV cache: give SpecDecoder the model dtype (dtype=...)")
+        data = KVCache.create(shape_cfg, target_kv.pool.num_blocks, target_kv.block_size, dtype,
                               self.device).data
         self.kv = KVCache(data, target_kv.block_size, target_kv.pool)
         self.stats = SpecStats()
