@@ -8,7 +8,7 @@
 - the real SmolLM2 engine on the CPU: greedy tokens with q8_0 KV equal the fp32-KV tokens for the first 12
   (measured: four prompts agree for 13, 16, 48 and 48 tokens; 12 leaves a margin), and a prefix-cache hit
   (tier 0 blocks, RAM snapshots) gives the same tokens as a cold q8_0 run; snapshots keep the int8 form and
-  the disk layout id names the KV dtype;
+  the disk layout id names the KV dtype; DFlash over a q8_0 target keeps its drafter KV float;
 - bytes per token: q8_0 holds 1.94x the tokens of bf16 (head_dim 64);
 - `--kv-dtype` reaches the engine; a bad value is one line and exit 2.
 """
@@ -203,6 +203,23 @@ def test_greedy_tokens_match_fp32_kv(smollm2_path, q8_engine):
     del fp32
     got = q8_engine.generate(prompts, params)
     assert got == want
+
+
+def test_speculation_on_a_q8_target_keeps_the_drafter_kv_in_the_model_dtype(smollm2_path, q8_engine):
+    """DFlash over a q8_0 target: the drafter's context KV (same blocks, its own tensor) stays float, and the
+    greedy tokens equal plain q8_0 decoding."""
+    from pathlib import Path
+
+    draft = Path(__file__).resolve().parents[1] / "model_cards" / "drafters" / "smollm2-135m-instruct-dflash"
+    if not (draft / "model.safetensors").exists():
+        pytest.skip("no drafter weights")
+    spec = LLMEngine.from_path(smollm2_path, EngineConfig(device="cpu", kv_tokens=512, cuda_graphs=False,
+                                                          kv_dtype="q8_0", draft=str(draft)), quiet=True)
+    assert spec.kv.data.dtype == torch.int8 and spec.spec.kv.data.dtype == torch.float32
+    ids = [spec.tokenizer.encode(PROMPTS[0])]
+    params = SamplingParams(max_tokens=N_MATCH, ignore_eos=True)
+    assert spec.generate(ids, params) == q8_engine.generate(ids, params)
+    assert spec.spec.stats.steps < N_MATCH, "drafts were accepted"
 
 
 def test_a_prefix_cache_hit_with_q8_kv_changes_nothing(q8_engine, template, tmp_path):

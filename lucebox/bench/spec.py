@@ -71,8 +71,10 @@ def main(args: argparse.Namespace) -> int:
         raise LuceboxError("no drafter: pass --draft DIR (the model card names none for this model)")
     drafter = load_drafter(Path(draft), loaded.config, engine.device, loaded.dtype)
     budgets = [int(b) for b in args.budgets.split(",") if b]
-    configs: list[tuple[str, Any]] = [("plain", None), ("chain", SpecDecoder(drafter, loaded.model, engine.kv))]
-    configs += [(f"ddtree b={b}", SpecDecoder(drafter, loaded.model, engine.kv, ddtree=True, budget=b))
+    chain = SpecDecoder(drafter, loaded.model, engine.kv, dtype=loaded.dtype)
+    configs: list[tuple[str, Any]] = [("plain", None), ("chain", chain)]
+    configs += [(f"ddtree b={b}", SpecDecoder(drafter, loaded.model, engine.kv, ddtree=True, budget=b,
+                                              dtype=loaded.dtype))
                 for b in budgets]
     builder = PromptBuilder.for_model(loaded)
     suites = [s for s in args.suite.split(",") if s]

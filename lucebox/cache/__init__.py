@@ -16,7 +16,7 @@ Integration plan
 Start-up (engine): `index = PrefixIndex(kv.pool, kv.block_size)`; `markers =
 ChatMarkers.from_template(template, tokenizer)` (on `NoChatMarkers`, tier 1 is off);
 `prefix = SnapshotPool(prefix_cache_slots, "prefix")`, `exact = SnapshotPool(prefill_cache_slots,
-"exact")`; with `--kv-cache-dir`: `disk = DiskStore(dir, layout_id(model_path=..., kv_dtype=kv.data.dtype,
+"exact")`; with `--kv-cache-dir`: `disk = DiskStore(dir, layout_id(model_path=..., kv_dtype=kv.kv_dtype,
 block_size=..., n_ctx=..., template_sha1=template.sha1, num_layers=..., num_kv_heads=..., head_dim=...),
 budget_bytes, min_tokens)` (its constructor scans the folder: headers only).
 
