@@ -44,6 +44,9 @@ def add_decoding_args(p: argparse.ArgumentParser) -> None:
     """Engine flags `serve` and `generate` share (one builder, so both commands load the model alike)."""
     p.add_argument("--model-card", type=Path, default=None, help="model card JSON (default: looked up by model name)")
     p.add_argument("--max-step-tokens", type=int, default=None, help="prefill chunk budget per step (default 2048)")
+    p.add_argument("--prefill-pacing", action="store_true",
+                   help="while streams decode, cap prefill chunks from measured step times (lower inter-token "
+                        "latency beside a long prompt, less throughput; off by default)")
     p.add_argument("--kv-tokens", type=int, default=None, help="KV cache size in tokens (default: from memory)")
     p.add_argument("--draft", default=None, help="DFlash drafter folder (default: none, plain decoding)")
     p.add_argument("--no-draft", action="store_true", help="plain decoding even when a drafter is available")
@@ -158,6 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests per level (default max(8, 2 x concurrency); the sequential baseline runs this "
                         "many, default 8)")
     b.add_argument("--dialect", choices=["chat", "anthropic"], default="chat")
+    b.add_argument("--long-prompt", type=int, default=None, metavar="N",
+                   help="also: while streams decode (the largest --concurrency, at most 8), send one N-token prompt "
+                        "and report their inter-token latency during its prefill against their steady one")
     b.add_argument("--data-dir", type=Path, default=None,
                    help="folder with swe_bench_verified.parquet or prompts/*.jsonl (default: lucebox/data)")
     b.add_argument("--api-key", default=None, help="key to send (default: env LUCEBOX_API_KEY)")

@@ -54,6 +54,7 @@ class ServerConfig:
     max_num_seqs: int = 16
     max_queue: int = 256
     max_step_tokens: int = 2048
+    prefill_pacing: bool = False  # cap prefill chunks while streams decode (engine/runtime/pacing.py)
     kv_tokens: int | None = None
     draft: str | None = None  # DFlash drafter folder; None = plain decoding (see drafter_hint)
     no_draft: bool = False
@@ -112,6 +113,7 @@ class ServerConfig:
             max_num_seqs=pick("max_num_seqs", "LUCEBOX_MAX_NUM_SEQS", int, 16),
             max_queue=pick("max_queue", "LUCEBOX_MAX_QUEUE", int, 256),
             max_step_tokens=pick("max_step_tokens", "LUCEBOX_MAX_STEP_TOKENS", int, 2048),
+            prefill_pacing=bool(getattr(args, "prefill_pacing", False)),
             kv_tokens=pick("kv_tokens", "LUCEBOX_KV_TOKENS", int, None),
             draft=pick("draft", "LUCEBOX_DRAFT", str, None),
             no_draft=bool(getattr(args, "no_draft", False)),
@@ -230,8 +232,8 @@ def load_into(ctx: ServerContext, cfg: ServerConfig) -> Any:
     engine_cfg = EngineConfig(device=cfg.device, dtype=cfg.dtype, weights=cfg.weights, kv_dtype=cfg.kv_dtype,
                               n_ctx=cfg.n_ctx,
                               kv_tokens=cfg.kv_tokens, gpu_memory=cfg.gpu_memory, max_num_seqs=cfg.max_num_seqs,
-                              max_step_tokens=cfg.max_step_tokens, draft=draft, ddtree=cfg.ddtree,
-                              ddtree_budget=cfg.ddtree_budget)
+                              max_step_tokens=cfg.max_step_tokens, prefill_pacing=cfg.prefill_pacing, draft=draft,
+                              ddtree=cfg.ddtree, ddtree_budget=cfg.ddtree_budget)
     engine = LLMEngine.from_path(path, engine_cfg)
     loaded = engine.loaded
     names = [loaded.config.name, path.stem, path.stem.split(".")[0], path.name]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import http.client
 import json
 import logging
+import re
 import socket
 import time
 from pathlib import Path
@@ -457,8 +458,9 @@ def test_ignored_fields_do_not_fail(client):
 def test_access_log_line_has_token_counts_and_finish(client, caplog):
     caplog.set_level(logging.INFO, logger="lucebox.http")
     r = create(client, max_tokens=2)
-    want = f"prompt_tokens={r.usage.prompt_tokens} completion_tokens=2 finish=length"
-    assert wait_for(lambda: any("/v1/chat/completions 200" in m and want in m for m in caplog.messages), 5)
+    want = (rf"/v1/chat/completions 200 .* prompt_tokens={r.usage.prompt_tokens} cached_tokens=\d+ "
+            r"completion_tokens=2 queue_ms=[\d.]+ prefill_ms=[\d.]+ finish=length")
+    assert wait_for(lambda: any(re.search(want, m) for m in caplog.messages), 5)
 
 
 def error_of(fn, **kw) -> dict:

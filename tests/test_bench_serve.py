@@ -45,7 +45,8 @@ def bench_args(**overrides: Any) -> argparse.Namespace:
     """The namespace `python -m lucebox bench serve` parses, with its defaults."""
     args = dict(url=None, model=None, device="auto", dtype="auto", n_ctx=None, chat_template_file=None,
                 max_num_seqs=None, kv_tokens=None, concurrency="1,4,16,64", prompt_len=256, gen_len=128,
-                requests=None, json=Path("bench_serve.json"), dialect="chat", data_dir=None, api_key=None)
+                requests=None, json=Path("bench_serve.json"), dialect="chat", data_dir=None, api_key=None,
+                long_prompt=None)
     args.update(overrides)
     return argparse.Namespace(**args)
 
@@ -260,6 +261,22 @@ def test_bench_against_a_running_server(live_server, tmp_path, capsys):
         assert s["output_tokens_mean"] <= 8
     table = capsys.readouterr().out
     assert "bench serve:" in table and "concurrency 2" in table and "sequential" in table and "TTFT p50 ms" in table
+
+
+def test_bench_long_prompt_beside_streams(live_server, tmp_path, capsys):
+    """Two streams decode while a 3000-token prompt prefills (two chunks): both windows measured, then cut."""
+    out = tmp_path / "serve.json"
+    assert serve.main(bench_args(url=live_server.url, concurrency="2", requests=2, gen_len=4, prompt_len=64,
+                                 long_prompt=3000, json=out)) == 0
+    lp = json.loads(out.read_text())["long_prompt"]
+    assert lp["streams"] == 2 and abs(lp["long_prompt_tokens"] - 3000) <= 8
+    assert lp["steady_gaps"] > 0 and lp["during_gaps"] > 0
+    assert lp["during_itl_ms"]["max"] >= lp["during_itl_ms"]["p99"] > 0 and lp["long_ttft_ms"] > 0
+    assert lp["p99_during_over_steady_p50"] > 0
+    assert "while one" in capsys.readouterr().out
+    # the cut streams were dropped: the server answers the next request at once
+    r = asyncio.run(serve.one_request(live_server.url, serve.DIALECTS["chat"], "m", "Hi", 2, {}))
+    assert r.error is None and r.output_tokens == 2
 
 
 def test_bench_anthropic_dialect(live_server, tmp_path):

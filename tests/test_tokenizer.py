@@ -21,11 +21,14 @@ from pathlib import Path
 
 import gguf
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
 from transformers import AutoTokenizer
 
 from lucebox.engine.tokenizer import Tokenizer, tokenizer_from_gguf, tokenizer_from_hf_dir
+from lucebox.engine.tokenizer_cache import SegmentCache
 from lucebox.engine.tokenizer_gguf import _NFC, _PRE
 from lucebox.engine.weights.gguf_file import GGUFFile
 from lucebox.errors import ModelFileError
@@ -474,3 +477,49 @@ def test_hf_dir_gemma_bos_from_post_processor(gemma3: Tokenizer, gemma3_hf, tmp_
 def test_hf_dir_without_tokenizer_json(tmp_path: Path) -> None:
     with pytest.raises(ModelFileError, match="tokenizer.json"):
         tokenizer_from_hf_dir(tmp_path)
+
+
+# --- piecewise encoding with remembered pieces (lucebox.engine.tokenizer_cache) ------------------------
+
+
+def _pieces_texts(tok: Tokenizer) -> list[str]:
+    """Chat-shaped texts: long messages between the model's special tokens, odd whitespace around them."""
+    specials = sorted(tok.segments.specials) if tok.segments else []
+    long = " ".join(f"Line {i}: def f(x):\n    return x * {i}  # ünïcode ✓" for i in range(40))
+    out = []
+    for s in specials[:6]:
+        out += [f"{s}system\n{long}{s}\n{s}user\n Hi  there\n\n{s}", f"{long}{s}{s} {long[:300]}\t{s}",
+                f"\n{s}{long}\n\n", f"{s}x{s} y{s}  z"]
+    return out
+
+
+def test_piecewise_encoding_equals_encoding_whole_texts(real):
+    assert real.segments is not None, "both default models' tokenizers split cleanly at special tokens"
+    for text in _pieces_texts(real) + [TRAINING_TEXT]:
+        assert real.encode(text, add_special=False) == real.hf.encode(text, add_special_tokens=False).ids
+
+
+@given(parts=st.lists(st.one_of(st.sampled_from(["<|im_start|>", "<|im_end|>", "<|endoftext|>"]),
+                                st.text(alphabet=" \n\tab1é✓<|>", max_size=300)), max_size=12))
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_piecewise_encoding_equals_whole_on_any_mix(smollm2, parts):
+    text = "".join(parts)
+    assert smollm2.segments.encode(text) == smollm2.hf.encode(text, add_special_tokens=False).ids
+
+
+def test_a_second_turn_reuses_the_first_turns_pieces(smollm2):
+    seg = smollm2.segments
+    system = "You are a coding agent. " * 40
+    turn1 = f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{'Fix the bug. ' * 30}<|im_end|>\n"
+    turn2 = turn1 + f"<|im_start|>assistant\n{'Done. ' * 60}<|im_end|>\n<|im_start|>user\nThanks<|im_end|>\n"
+    smollm2.encode(turn1)
+    hits = seg.hits
+    assert smollm2.encode(turn2) == smollm2.hf.encode(turn2, add_special_tokens=False).ids
+    assert seg.hits - hits == 2, "the system prompt and the first user message come from the cache"
+
+
+def test_tokenizers_that_strip_around_specials_are_encoded_whole():
+    hf = HFTokenizer(models.BPE(vocab={"a": 0, " ": 1, "b": 2}, merges=[], unk_token=None))
+    hf.pre_tokenizer = pre_tokenizers.Whitespace()
+    hf.add_special_tokens([AddedToken("<s>", lstrip=True, rstrip=True, special=True)])
+    assert SegmentCache.for_tokenizer(hf) is None

@@ -633,9 +633,7 @@ async def _start_run(ctx: ServerContext, req: ChatRequest, request: Request) -> 
 
 
 def _log_usage(request: Request, run: GenerationRun, finish: Finish) -> None:
-    u = run.usage
-    request.log_fields.update(prompt_tokens=u.prompt_tokens, cached_tokens=u.cached_tokens,
-                              completion_tokens=u.completion_tokens, finish=finish.reason)
+    request.log_fields.update(run.usage.log_fields(), finish=finish.reason)
 
 
 async def _with_pings(events: AsyncIterator[Event]) -> AsyncIterator[Event | None]:

@@ -646,5 +646,4 @@ async def _send_frames(response: Response, frames: list[dict | str]) -> None:
 
 
 def _log(request: Request, run: GenerationRun, fin: Finish) -> None:
-    request.log_fields.update(prompt_tokens=run.usage.prompt_tokens, completion_tokens=run.usage.completion_tokens,
-                              finish=fin.reason)
+    request.log_fields.update(run.usage.log_fields(), finish=fin.reason)

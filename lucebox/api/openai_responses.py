@@ -714,8 +714,7 @@ def register(router: Router, ctx: ServerContext) -> None:
             await _stream(request, response, run, renderer)
         else:
             await _complete(request, response, run, renderer)
-        request.log_fields.update(prompt_tokens=run.usage.prompt_tokens, completion_tokens=run.usage.completion_tokens,
-                                  cached_tokens=run.usage.cached_tokens, outcome=renderer.response["status"])
+        request.log_fields.update(run.usage.log_fields(), outcome=renderer.response["status"])
 
     router.add("POST", PATH, create)
 

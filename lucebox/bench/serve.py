@@ -86,20 +86,16 @@ def parse_levels(text: str) -> list[int]:
 def load_documents(data_dir: Path) -> tuple[list[str], str]:
     """Real texts to build prompts from, and where they came from.
 
-    SWE-bench problem statements when pyarrow can read the parquet file, else
+    SWE-bench problem statements when the folder has the parquet file, else
     every prompt in prompts/*.jsonl (MT-Bench turns, benchmark messages).
     """
+    from lucebox.train.data import read_parquet_column  # with or without pyarrow
+
     parquet = data_dir / "swe_bench_verified.parquet"
     if parquet.is_file():
-        try:
-            import pyarrow.parquet as pq
-        except ImportError:
-            pq = None
-        if pq is not None:
-            column = pq.read_table(parquet, columns=["problem_statement"]).column("problem_statement").to_pylist()
-            texts = _unique(t.strip() for t in column if isinstance(t, str))
-            if texts:
-                return texts, f"{parquet} (problem_statement)"
+        texts = _unique(t.strip() for t in read_parquet_column(parquet, "problem_statement") if isinstance(t, str))
+        if texts:
+            return texts, f"{parquet} (problem_statement)"
     texts = []
     files = sorted((data_dir / "prompts").glob("*.jsonl"))
     for path in files:
@@ -361,6 +357,81 @@ async def run_level(name: str, base: str, dialect: Dialect, model: str, prompts:
     return level
 
 
+# ----- decode streams while a long prompt prefills -------------------------------------
+
+LONG_STREAMS = 8
+"""Most streams that decode beside a long prompt (the largest --concurrency, up to this)."""
+STREAM_TOKENS = 2048
+"""max_tokens of those streams (they are cut when its prefill ends); 8 of them fit a 24K-token KV cache."""
+STEADY_TOKENS = 16
+"""Tokens every stream must have produced before the steady window opens (admission and warm-up done)."""
+STEADY_SECONDS = 1.0
+
+
+def _gaps_between(results: Sequence[RequestResult], lo: float, hi: float) -> list[float]:
+    """Inter-token gaps whose later token arrived in (lo, hi]."""
+    return [b - a for r in results for a, b in zip(r.deltas, r.deltas[1:]) if lo < b <= hi]
+
+
+async def long_prompt_case(base: str, dialect: Dialect, model: str, streams: list[str], long_prompt: str,
+                           headers: dict[str, str]) -> dict[str, Any]:
+    """`streams` decode; once steady, one request with `long_prompt` (max_tokens 1) is sent.
+
+    Returns the streams' inter-token latency in the steady window before it
+    and while it prefills (sent -> its first token), and its TTFT. The streams
+    are then cut (their sockets closed: the server sees disconnects).
+    """
+    results = [RequestResult() for _ in streams]
+
+    async def stream(content: str, r: RequestResult) -> None:
+        r.start = time.perf_counter()
+        try:
+            body = dialect.body(model, content, STREAM_TOKENS)
+            async for frame in stream_sse(base + dialect.path, body, headers=headers):
+                dialect.on_frame(frame, r)
+        except HttpClientError as exc:
+            r.error = str(exc)
+        except (ValueError, KeyError, TypeError) as exc:
+            r.error = f"unexpected stream frame: {exc!r}"
+        r.end = time.perf_counter()
+
+    tasks = [asyncio.create_task(stream(c, r)) for c, r in zip(streams, results)]
+    try:
+        deadline = time.perf_counter() + START_TIMEOUT
+        while any(len(r.deltas) < STEADY_TOKENS and r.error is None and not r.end for r in results):
+            if time.perf_counter() > deadline:
+                raise LuceboxError("bench serve --long-prompt: the streams did not start")
+            await asyncio.sleep(0.01)
+        steady_from = time.perf_counter()
+        await asyncio.sleep(STEADY_SECONDS)
+        long = await one_request(base, dialect, model, long_prompt, 1, headers)
+        if long.error is not None or long.ttft is None:
+            raise LuceboxError(f"bench serve --long-prompt: the long request failed: {long.error}")
+        sent, first = long.start, long.start + long.ttft
+        failed = [r.error for r in results if r.error is not None]
+        if failed:
+            raise LuceboxError(f"bench serve --long-prompt: a stream failed: {failed[0]}")
+        if any(r.end and r.end < first for r in results):
+            raise LuceboxError(f"bench serve --long-prompt: a stream ended ({STREAM_TOKENS} tokens) before the "
+                               "long prompt's prefill did")
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    steady, during = _gaps_between(results, steady_from, sent), _gaps_between(results, sent, first)
+    s, d = _ms_stats(steady), _ms_stats(during)
+    return {
+        "streams": len(streams),
+        "long_prompt_tokens": long.prompt_tokens,
+        "long_ttft_ms": long.ttft * 1000,
+        "steady_itl_ms": s,
+        "during_itl_ms": {**d, "max": max(during) * 1000 if during else None},
+        "steady_gaps": len(steady),
+        "during_gaps": len(during),
+        "p99_during_over_steady_p50": d["p99"] / s["p50"] if d["p99"] and s["p50"] else None,
+    }
+
+
 # ----- the server ----------------------------------------------------------------------
 
 
@@ -481,6 +552,15 @@ def main(args: argparse.Namespace) -> int:
              f"max_tokens {args.gen_len}, server max_num_seqs {settings.get('max_num_seqs', '?')}")
     print_table(title, ["case", "requests", "errors", "out tok/req", "tok/s", "speedup", "TTFT p50 ms",
                         "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms"], rows)
+    if (lp := payload["long_prompt"]) is not None:
+        s, d = lp["steady_itl_ms"], lp["during_itl_ms"]
+        print_table(f"{lp['streams']} streams while one {lp['long_prompt_tokens']}-token prompt prefills "
+                    f"(its TTFT {lp['long_ttft_ms']:.0f} ms)",
+                    ["window", "gaps", "ITL p50 ms", "ITL p99 ms", "ITL max ms"],
+                    [["steady", lp["steady_gaps"], s["p50"], s["p99"], None],
+                     ["during the prefill", lp["during_gaps"], d["p50"], d["p99"], d["max"]]])
+        ratio = lp["p99_during_over_steady_p50"]
+        print(f"ITL p99 during / steady p50: {ratio:.2f}x" if ratio else "ITL p99 during / steady p50: -")
     write_json(args.json, payload)
     return 0
 
@@ -517,6 +597,14 @@ async def _bench(args: argparse.Namespace, base: str, server: ServerProcess | No
     sequential = await run_level("sequential", base, dialect, model_id, prompts[offset:], 1, args.gen_len, headers,
                                  progress)
     progress.close()
+    long_case = None
+    if args.long_prompt:
+        print(f"bench serve: {min(max(levels), LONG_STREAMS)} streams decoding while a {args.long_prompt}-token "
+              "prompt prefills",
+              file=sys.stderr, flush=True)
+        extra = await builder.build(min(max(levels), LONG_STREAMS) + 1, args.prompt_len, template_tokens)
+        long_prompt = (await PromptBuilder(base, docs[::-1], headers).build(1, args.long_prompt, template_tokens))[0]
+        long_case = await long_prompt_case(base, dialect, model_id, extra[1:], long_prompt, headers)
 
     model = props.get("model") or {}
     device = torch.device(model.get("device") or "cpu")
@@ -539,4 +627,5 @@ async def _bench(args: argparse.Namespace, base: str, server: ServerProcess | No
         "env": env,
         "sequential": sequential.summary(sequential.tok_s),
         "levels": [run.summary(sequential.tok_s) for run in runs],
+        "long_prompt": long_case,
     }

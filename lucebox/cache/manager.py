@@ -10,11 +10,13 @@ tier 2 (the exact prompt) restore host-RAM snapshots into fresh blocks; the
 disk store persists tiers 1 and 2 across restarts. Request threads and the
 engine thread both touch the RAM pools, so they are used under one lock.
 
-A commit never waits for the device. It checks the size first (an entry the
-RAM budget cannot take allocates nothing), reserves the entry's room, takes a
-buffer from the bounded host pool (pinned on CUDA), keeps the KV blocks it
-copies referenced, and starts the copy on a side stream after the step that
-wrote the KV (`gather_kv_into`). `poll` (each step, and before every lookup)
+A commit never waits for the device or for the host allocator. It checks the
+size first (an entry the RAM budget cannot take allocates nothing), reserves
+the entry's room and keeps the KV blocks it copies referenced; on CUDA it
+records an event after the step that wrote the KV and hands the rest to the
+copier thread, which takes a buffer from the bounded host pool (pinned: a fresh
+`cudaHostAlloc` of a growing session's snapshot takes tens of milliseconds)
+and starts the copy on a side stream after that event (`gather_kv_into`). `poll` (each step, and before every lookup)
 publishes the entries whose copy finished, gives their blocks back and queues
 their disk writes (a worker thread). Until then a lookup of that entry is a
 miss: the request prefills instead of waiting. On the CPU the copy is done in
@@ -31,13 +33,16 @@ and a restore writes both. A snapshot without drafter KV is not used then.
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from lucebox.cache.disk import DiskStore
 from lucebox.cache.host_pool import HostBuffer, HostBufferPool
@@ -102,14 +107,38 @@ class PendingCopy:
     tier: str
     key: str
     tokens: list[int]
-    kv: Any  # torch.Tensor views into `buffer`
-    draft_kv: Any
-    buffer: HostBuffer
+    n: int  # positions copied
     blocks: list[int]
-    copies: list[KVCopy]
+    nbytes: tuple[int, int]  # (target KV, drafter KV) bytes
+    after: Any = None  # torch.cuda.Event after the steps that wrote the KV (CUDA)
+    kv: Any = None  # torch.Tensor views into `buffer`, once started
+    draft_kv: Any = None
+    buffer: HostBuffer | None = None  # None once started: the host pool had no room
+    copies: list[KVCopy] = field(default_factory=list)
+    started: threading.Event = field(default_factory=threading.Event)
 
     def done(self) -> bool:
-        return all(c.done() for c in self.copies)
+        return self.started.is_set() and all(c.done() for c in self.copies)
+
+
+class Copier:
+    """One thread that takes host buffers and enqueues snapshot copies for the engine thread (CUDA)."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="lucebox-snapshot-copier", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        self._jobs.put(job)
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            try:
+                job()
+            except Exception:  # noqa: BLE001 - a failed copy publishes nothing; the engine goes on
+                log.exception("a snapshot copy failed")
 
 
 class PrefixCache:
@@ -129,6 +158,7 @@ class PrefixCache:
         self.exact = SnapshotPool(cfg.exact_slots, "exact", max_bytes=cfg.ram_bytes, host=self.host) \
             if cfg.exact_slots else None
         self.pending: list[PendingCopy] = []  # engine thread only
+        self._copier: Copier | None = None  # started at the first snapshot on CUDA
         self.disk = DiskStore(cfg.disk_dir, layout, cfg.disk_budget, cfg.disk_min_tokens) \
             if cfg.disk_dir is not None and layout is not None else None
         self._lock = threading.Lock()
@@ -339,21 +369,44 @@ class PrefixCache:
             if len(self.pending) >= MAX_COPIES or not pool.reserve(key, kv_bytes + draft_bytes + 4 * len(tokens)):
                 counters.no_room += 1
                 return
-        buffer = self.host.acquire(aligned(kv_bytes) + draft_bytes)
-        if buffer is None:
-            with self._lock:
-                pool.unreserve(key)
-            counters.no_room += 1
-            return
-        kv = buffer.view(snapshot_shape(self.kv, n), self.kv.data.dtype)
-        copies = [gather_kv_into(self.kv, seq.block_table, n, kv)]
-        draft = None
-        if self.draft_kv is not None:
-            draft = buffer.view(snapshot_shape(self.draft_kv, n), self.draft_kv.data.dtype, aligned(kv_bytes))
-            copies.append(gather_kv_into(self.draft_kv, seq.block_table, n, draft))
         blocks = list(seq.block_table[:self.kv.blocks_for(n)])
         self.kv.pool.incref(blocks)  # nobody writes them (they stay allocated) until the copy is done
-        self.pending.append(PendingCopy(tier, key, list(tokens), kv, draft, buffer, blocks, copies))
+        p = PendingCopy(tier, key, list(tokens), n, blocks, (kv_bytes, draft_bytes))
+        self.pending.append(p)
+        dev = self.kv.data.device
+        if dev.type != "cuda":
+            self._copy(p)
+            return
+        p.after = torch.cuda.Event()
+        p.after.record(torch.cuda.current_stream(dev))
+        if self._copier is None:
+            self._copier = Copier()
+        self._copier.submit(lambda: self._copy_on(dev, p))
+
+    def _copy_on(self, dev: torch.device, p: PendingCopy) -> None:
+        with torch.cuda.device(dev):
+            self._copy(p)
+
+    def _copy(self, p: PendingCopy) -> None:
+        """Take the host buffer and start the copies of `p` (the copier thread on CUDA, else the engine's)."""
+        kv_bytes, draft_bytes = p.nbytes
+        buffer = None
+        try:
+            buffer = self.host.acquire(aligned(kv_bytes) + draft_bytes)
+            if buffer is None:
+                return
+            p.kv = buffer.view(snapshot_shape(self.kv, p.n), self.kv.data.dtype)
+            p.copies.append(gather_kv_into(self.kv, p.blocks, p.n, p.kv, after=p.after))
+            if self.draft_kv is not None:
+                p.draft_kv = buffer.view(snapshot_shape(self.draft_kv, p.n), self.draft_kv.data.dtype,
+                                         aligned(kv_bytes))
+                p.copies.append(gather_kv_into(self.draft_kv, p.blocks, p.n, p.draft_kv, after=p.after))
+            p.buffer, buffer = buffer, None
+        finally:
+            if buffer is not None:  # the copy did not start: nothing reads the buffer
+                p.copies.clear()
+                buffer.release()
+            p.started.set()
 
     def poll(self) -> int:
         """Engine thread: publish the snapshots whose copy finished, give their blocks back, queue disk writes.
@@ -369,6 +422,11 @@ class PrefixCache:
             self.kv.pool.decref(p.blocks)
             pool = self.prefix if p.tier == "prefix" else self.exact
             assert pool is not None
+            if p.buffer is None:  # the host pool had no room (or the copy failed to start)
+                with self._lock:
+                    pool.unreserve(p.key)
+                self.counters[p.tier].no_room += 1
+                continue
             with self._lock:
                 entry = pool.publish(p.key, p.tokens, p.kv, p.draft_kv, p.buffer)
             if entry is None:  # cleared while copying

@@ -128,15 +128,17 @@ def copy_stream(device: torch.device) -> torch.cuda.Stream:
         return stream
 
 
-def gather_kv_into(kv: KVCache, block_table: Sequence[int], n_tokens: int, out: torch.Tensor) -> KVCopy:
+def gather_kv_into(kv: KVCache, block_table: Sequence[int], n_tokens: int, out: torch.Tensor,
+                   after: torch.cuda.Event | None = None) -> KVCopy:
     """Start copying the KV of positions `[0, n_tokens)` out of a sequence's blocks into `out`.
 
     `out` is a CPU tensor of `snapshot_shape(kv, n_tokens)`. On CUDA the gather and
-    the device->host copy run on the copy stream after the work queued so far on
-    the current stream (the steps that wrote these positions), and this returns at
-    once: the caller keeps the blocks referenced (nobody may write them) and `out`
-    unread until `done()`; `out` should be pinned, else the copy is synchronous. On
-    the CPU it is a plain copy, done when this returns.
+    the device->host copy run on the copy stream after `after` (an event the thread
+    that ran the steps which wrote these positions recorded), else after the work
+    queued so far on the current stream, and this returns at once: the caller keeps
+    the blocks referenced (nobody may write them) and `out` unread until `done()`;
+    `out` should be pinned, else the copy is synchronous. On the CPU it is a plain
+    copy, done when this returns.
     """
     if tuple(out.shape) != snapshot_shape(kv, n_tokens) or out.dtype != kv.data.dtype or out.device.type != "cpu":
         raise ValueError(f"a host tensor {tuple(out.shape)} {out.dtype} on {out.device} cannot take the KV of "
@@ -146,7 +148,10 @@ def gather_kv_into(kv: KVCache, block_table: Sequence[int], n_tokens: int, out: 
         torch.index_select(kv.data, 2, _slot_index(kv, block_table, 0, n_tokens), out=out)
         return KVCopy(None)
     side = copy_stream(dev)
-    side.wait_stream(torch.cuda.current_stream(dev))  # an event on the main stream, waited for on the side one
+    if after is not None:
+        side.wait_event(after)
+    else:
+        side.wait_stream(torch.cuda.current_stream(dev))  # an event on the main stream, waited for on the side one
     with torch.cuda.stream(side):
         src = kv.data.index_select(2, _slot_index(kv, block_table, 0, n_tokens))
         out.copy_(src, non_blocking=out.is_pinned())

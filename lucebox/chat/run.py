@@ -55,6 +55,13 @@ class Usage:
     reasoning_tokens: int = 0
     timings: dict[str, Any] = field(default_factory=dict)
 
+    def log_fields(self) -> dict[str, Any]:
+        """What the server's one line per request says of a generation: tokens, and where its TTFT went."""
+        t = self.timings
+        return {"prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
+                "completion_tokens": self.completion_tokens, "queue_ms": t.get("queue_ms"),
+                "prefill_ms": t.get("prefill_ms")}
+
 
 class GenerationRun:
     """Prompt → engine → detokenizer → event pipeline, for one request.

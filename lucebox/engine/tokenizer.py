@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import tokenizers
 
+from lucebox.engine.tokenizer_cache import SegmentCache
 from lucebox.errors import ModelFileError
 
 if TYPE_CHECKING:
@@ -88,6 +89,7 @@ class Tokenizer:
         self.vocab_size = hf.get_vocab_size(with_added_tokens=True)
         added = hf.get_added_tokens_decoder()
         self.special_ids = frozenset(i for i, tok in added.items() if tok.special)
+        self.segments = SegmentCache.for_tokenizer(hf)  # None where piecewise encoding would differ
         self.bos_id = _valid_id(bos_id, self.vocab_size)
         self.eos_id = _valid_id(eos_id, self.vocab_size)
         self.pad_id = _valid_id(pad_id, self.vocab_size)
@@ -125,8 +127,12 @@ class Tokenizer:
         `add_special` prepends BOS where the model wants one (`add_bos`). Texts
         over a few KB go through `encode_batch`, which releases the GIL, so a
         long prompt tokenized in a worker thread does not stall the event loop.
+        The pieces between special tokens that were seen before (an agent's
+        system prompt and earlier turns) are not encoded again (`segments`).
         """
-        if len(text) > 4096:
+        if self.segments is not None:
+            ids = self.segments.encode(text)
+        elif len(text) > 4096:
             ids = self.hf.encode_batch([text], add_special_tokens=False)[0].ids
         else:
             ids = self.hf.encode(text, add_special_tokens=False).ids

@@ -591,7 +591,7 @@ class HttpServer:
         if not log.isEnabledFor(logging.INFO):
             return
         peer = f"{client[0]}:{client[1]}" if client else "-"
-        extra = "".join(f" {k}={_log_value(v)}" for k, v in fields.items())
+        extra = "".join(f" {k}={_log_value(v)}" for k, v in fields.items() if v is not None)
         log.info("%s %s %s %d %.1fms %dB%s", peer, method, path, status, seconds * 1000, nbytes, extra)
 
 

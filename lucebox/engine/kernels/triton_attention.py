@@ -44,8 +44,11 @@ def supports(head_dim: int) -> bool:
 
 if triton is not None:
 
-    # The split length is a runtime argument: eager decode steps of any context reuse one compiled kernel.
-    @triton.jit(do_not_specialize=["stride_btb", "window", "split_len"])
+    # Nothing a step varies may change the compiled kernel, or a request waits for a JIT: the split length,
+    # the split count's strides (n_splits x heads) and the per-step metadata, whose tensors are views into
+    # one packed buffer at any offset (Triton specialises pointers on 16-byte alignment and ints on % 16).
+    @triton.jit(do_not_specialize=["stride_btb", "window", "split_len", "stride_ab", "stride_as", "stride_lb"],
+                do_not_specialize_on_alignment=["BT", "POS"])
     def _decode_split(
         Q, K, V, KS, VS, BT, POS, ACC, LSE,
         stride_qb, stride_qh, stride_ks, stride_kh, stride_kss, stride_ksh, stride_btb,
@@ -190,7 +193,9 @@ if triton is not None:
         acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=PRECISION).to(tl.float32)
         return acc, m_new, l_i
 
-    @triton.jit(do_not_specialize=["stride_btb", "q_len", "window", "n_splits", "split_len"])
+    @triton.jit(do_not_specialize=["stride_btb", "q_len", "window", "n_splits", "split_len", "stride_ab", "stride_as",
+                                   "stride_lb", "stride_ls"],
+                do_not_specialize_on_alignment=["BT", "CTX", "QPOS", "TREE"])
     def _prefill(
         Q, K, V, KS, VS, OUT, BT, CTX, QPOS, TREE, ACC, LSE,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_ks, stride_kh, stride_kss, stride_ksh, stride_btb,
@@ -431,13 +436,18 @@ def warm_up(k_cache: torch.Tensor, v_cache: torch.Tensor, *, num_heads: int, pag
             dtype: torch.dtype | None = None) -> int:
     """Compile every `prefill_attention` variant a step can reach for this model, at start-up.
 
-    A variant is fixed by the tile config (short or long query groups), whether the keys are split (and
-    Triton's specialisation of the split count and of `q_len`: 1, a multiple of 16, or neither), the tree
-    bits and the window. Synthetic groups read scratch block 0 only. Returns the number of launches.
-    `dtype`: the compute dtype (default the cache's; required for a q8_0 cache)."""
+    A variant is fixed by the tile config (`_prefill_config` of the group's rows: one query length per
+    config it can return for 2..max_rows), whether the keys are split (and the split count's power of two),
+    the tree bits and the window; runtime ints and metadata pointers are not specialised. Synthetic groups
+    read scratch block 0 only. Returns the number of launches. `dtype`: the compute dtype (default the
+    cache's; required for a q8_0 cache)."""
     dev, dtype = k_cache.device, dtype or k_cache.dtype
     dim = k_cache.shape[2] - (2 if k_cache.dtype == torch.int8 else 0)
-    lens = sorted({5, 17, 32, 48, 64, 112, max(2, max_rows - 1), max(2, max_rows)})
+    group = num_heads // k_cache.shape[1]
+    by_config: dict[tuple[int, int, int, int], int] = {}
+    for q_len in range(2, max(2, max_rows) + 1):
+        by_config.setdefault(_prefill_config(dim, dtype, q_len * group, group), q_len)
+    lens = sorted(by_config.values())
     max_ctx = max_rows + context  # keys behind the longest chunk
     tables = torch.zeros(1, -(-max_ctx // page), dtype=torch.long, device=dev)
     launches = 0
@@ -450,7 +460,7 @@ def warm_up(k_cache: torch.Tensor, v_cache: torch.Tensor, *, num_heads: int, pag
             bits.append(torch.full((q_len,), -1, dtype=torch.long, device=dev))
         for w in ([None, window] if window else [None]):
             for t in bits:
-                for splits in (1, 2, 16):
+                for splits in (1, 2, 4, 8, 16):  # SPLIT_KV, and _merge_splits per split count
                     prefill_attention(q, k_cache, v_cache, tables, ctx, pos, t, q_len=q_len, max_ctx=max_ctx,
                                       page=page, scale=scale, window=w, splits=splits)
                     launches += 1

@@ -20,6 +20,7 @@ from lucebox.engine.kernels.kv_quant import KV_DTYPES
 from lucebox.engine.runtime.cuda_graphs import batch_buckets
 from lucebox.engine.runtime.kv_cache import KVCache, resolve_kv_dtype
 from lucebox.engine.runtime.model_runner import ModelRunner, is_decode
+from lucebox.engine.runtime.pacing import PrefillPacer
 from lucebox.engine.runtime.sampler import (
     SampleRow,
     SamplingError,
@@ -57,6 +58,7 @@ class EngineConfig:
     block_size: int = 16
     max_num_seqs: int = 64
     max_step_tokens: int = 2048  # prefill chunk budget per step
+    prefill_pacing: bool = False  # while sequences decode, cap prefill chunks from step times (pacing.py)
     cuda_graphs: bool = True  # decode-only steps as CUDA graph replays (CUDA only)
     draft: str | None = None  # DFlash drafter folder; None = plain decoding
     ddtree: bool = False  # verify a draft tree instead of a chain
@@ -139,6 +141,7 @@ class LLMEngine:
             eos_ids=self.tokenizer.eos_ids,
         )
         self.last_step: list[tuple[int, int, int]] = []  # (seq id, start, rows) of the last step, for stats
+        self.pacer = PrefillPacer(self.config.max_step_tokens) if self.config.prefill_pacing else None
         self.spec: SpecDecoder | None = None
         self.draft_path: Path | None = None  # the drafter folder enable_speculation loaded
         self.cache: PrefixCache | None = None
@@ -321,6 +324,8 @@ class LLMEngine:
             if g is not None:
                 g.ready = True
         self._compiles_at_ready = warmup.COMPILES.count
+        if self.pacer is not None:  # the warm-up's steps include compiles and captures: measure afresh
+            self.pacer = PrefillPacer(self.config.max_step_tokens)
         warmup.COMPILES.armed = self.device.type == "cuda"
         self.warm_up_end = time.monotonic()
         self.warm_up_seconds = self.warm_up_end - t
@@ -414,12 +419,21 @@ class LLMEngine:
         A sequence whose rows make the step raise (its sampling parameters, say) ends alone with
         finish reason "error"; the others get exactly the tokens they would have got without it.
         """
+        if self.pacer is not None:
+            self.scheduler.prefill_cap = self.pacer.budget()
+        t0 = time.perf_counter()
         chunks = self.scheduler.schedule()
         self.last_step = [(c.seq.seq_id, c.start, c.n) for c in chunks]
         if not chunks:
             return []
-        if self.spec is not None:
-            return self._spec_step(chunks)
+        decode_rows = sum(1 for c in chunks if is_decode(c))  # before the step: it appends the sampled tokens
+        prefill_tokens = sum(c.n for c in chunks) - decode_rows
+        outputs = self._spec_step(chunks) if self.spec is not None else self._plain_step(chunks)
+        if self.pacer is not None:
+            self.pacer.observe(decode_rows, prefill_tokens, time.perf_counter() - t0)
+        return outputs
+
+    def _plain_step(self, chunks: list[Chunk]) -> list[StepOutput]:
         failed: dict[Sequence, Exception] = {}
         sampled, tokens, logprobs = self._forward_and_sample(chunks, failed)
         outputs = [self._fail(seq, exc) for seq, exc in failed.items()]

@@ -5,7 +5,10 @@ This is the synchronous core (no asyncio): the server's async loop calls
 thread. Policy:
 - every running sequence decodes one row per step (first come, first served);
 - the rest of the step's token budget goes to prefill chunks, oldest first,
-  so a long prompt is cut into chunks that interleave with the decodes;
+  so a long prompt is cut into chunks that interleave with the decodes; while
+  any sequence decodes, prefill may be capped at `prefill_cap` tokens a step
+  (set by the engine's pacer from measured step times when `--prefill-pacing`
+  is on, lucebox.engine.runtime.pacing) so a long prompt stalls them less;
 - a waiting sequence is admitted when the pool has the KV blocks for its
   first chunk and the running set is below `max_num_seqs`;
 - when a running sequence needs a block and none is free, the newest running
@@ -48,6 +51,7 @@ class Scheduler:
         self.decode_rows = 1  # rows a decoding sequence brings to a step (speculative: block or tree size)
         self.cache: PrefixCache | None = None  # reuses and remembers prompt prefixes (lucebox.cache)
         self.on_release: Callable[[Sequence], None] | None = None  # frees per-sequence state elsewhere (drafter)
+        self.prefill_cap: int | None = None  # most prefill tokens in a step that also decodes (None: no cap)
 
     # ----- queue -------------------------------------------------------------
 
@@ -82,6 +86,8 @@ class Scheduler:
                 continue
             chunks.append(Chunk(seq, seq.num_computed, 1))
             budget -= 1
+        if chunks and self.prefill_cap is not None:
+            budget = min(budget, self.prefill_cap)
         for seq in prefilling:
             if budget <= 0 or seq not in self.running:
                 break
