@@ -523,3 +523,16 @@ def test_tokenizers_that_strip_around_specials_are_encoded_whole():
     hf.pre_tokenizer = pre_tokenizers.Whitespace()
     hf.add_special_tokens([AddedToken("<s>", lstrip=True, rstrip=True, special=True)])
     assert SegmentCache.for_tokenizer(hf) is None
+
+
+def test_remembered_pieces_stay_within_their_budget(smollm2, monkeypatch):
+    import lucebox.engine.tokenizer_cache as tc
+
+    monkeypatch.setattr(tc, "BUDGET_CHARS", 8000)  # pieces over a quarter of it are not kept
+    cache = SegmentCache.for_tokenizer(smollm2.hf)
+    texts = [f"<|im_start|>user\n{k} " + "word " * 200 + "<|im_end|>" for k in range(10)]
+    for t in texts:
+        assert cache.encode(t) == smollm2.hf.encode(t, add_special_tokens=False).ids
+    assert cache._chars <= 8000 and len(cache._pieces) == 7  # the newest seven 1,008-character pieces
+    assert cache.encode(texts[-1]) == smollm2.hf.encode(texts[-1], add_special_tokens=False).ids
+    assert cache.hits == 1

@@ -17,14 +17,15 @@ from __future__ import annotations
 
 import re
 import threading
+from array import array
 from collections import OrderedDict
 
 import tokenizers
 
 MIN_CACHED_CHARS = 256
 """Shorter pieces are encoded each time (cheap), not remembered."""
-BUDGET_CHARS = 16 << 20
-"""Characters of remembered pieces (least recently used dropped first): ~16 MB of text, a few times its ids."""
+BUDGET_CHARS = 8 << 20
+"""Characters of remembered pieces (least recently used dropped first): ~8 MB of text, ids kept as int32."""
 LONG_PIECE = 4096
 """Pieces longer than this go through `encode_batch`, which releases the GIL."""
 
@@ -38,7 +39,7 @@ class SegmentCache:
         # leftmost-longest, as `tokenizers` matches added tokens
         self._split = re.compile("(" + "|".join(re.escape(s) for s in sorted(specials, key=len, reverse=True)) + ")")
         self._lock = threading.Lock()
-        self._pieces: OrderedDict[str, list[int]] = OrderedDict()
+        self._pieces: OrderedDict[str, array] = OrderedDict()  # int32 ids: 4 bytes a token, not a Python int
         self._chars = 0
         self.hits = self.misses = 0
 
@@ -79,17 +80,17 @@ class SegmentCache:
             if ids is not None:
                 self._pieces.move_to_end(text)
                 self.hits += 1
-                return list(ids)
+                return ids.tolist()
         ids = self._encode_piece(text)
         with self._lock:
             self.misses += 1
             if text not in self._pieces and len(text) <= BUDGET_CHARS // 4:
-                self._pieces[text] = ids
+                self._pieces[text] = array("i", ids)
                 self._chars += len(text)
                 while self._chars > BUDGET_CHARS:
                     old, _ = self._pieces.popitem(last=False)
                     self._chars -= len(old)
-        return list(ids)
+        return ids
 
     def _encode_piece(self, text: str) -> list[int]:
         if len(text) > LONG_PIECE:
