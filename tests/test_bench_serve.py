@@ -23,6 +23,7 @@ from lucebox.bench import serve
 from lucebox.bench.http_client import (
     HttpClientError,
     HttpStatusError,
+    SSEFrame,
     SSEParser,
     get_json,
     post_json,
@@ -325,3 +326,19 @@ def test_the_started_server_gets_the_benchs_engine_flags() -> None:
                         ("--port", "8123"), ("--max-num-seqs", "4"), ("--model", "m.gguf")):
         assert cmd[cmd.index(flag) + 1] == value
     assert "--weights" not in serve_command(cli.build_parser().parse_args(["bench", "agent"]), 1, 1)
+
+
+def test_chat_frames_count_every_kind_of_generated_content():
+    def at(obj: Any, t: float) -> SSEFrame:
+        return SSEFrame(t, None, obj if isinstance(obj, str) else json.dumps(obj))
+
+    r = serve.RequestResult(start=0.0)
+    for t, delta in enumerate([{"role": "assistant"}, {"content": "a"}, {"reasoning_content": "b"},
+                               {"reasoning": "c"}, {"tool_calls": [{"index": 0}]}, {}]):
+        serve.chat_frame(at({"choices": [{"delta": delta, "finish_reason": None}]}, float(t)), r)
+    assert r.deltas == [1.0, 2.0, 3.0, 4.0]  # the role-only first frame and the empty one are not tokens
+    serve.chat_frame(at({"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 4}}, 6.0), r)
+    serve.chat_frame(at("[DONE]", 7.0), r)
+    assert (r.prompt_tokens, r.output_tokens, r.done, r.error) == (7, 4, True, None)
+    serve.chat_frame(at({"error": {"message": "boom"}}, 8.0), r)
+    assert "boom" in r.error

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import os
 import random
@@ -60,7 +59,7 @@ import torch
 
 from lucebox.bench.http_client import HttpClientError, SSEFrame, get_json, request_json, stream_sse
 from lucebox.bench.report import environment, print_table, write_json
-from lucebox.bench.serve import ServerProcess, load_documents, percentile, wait_ready
+from lucebox.bench.serve import ServerProcess, load_documents, parse_chat_frame, percentile, wait_ready
 from lucebox.data import data_dir as resolve_data_dir
 from lucebox.errors import LuceboxError
 from lucebox.progress import Progress
@@ -357,38 +356,19 @@ def turn_body(model: str, messages: list[dict[str, str]], max_tokens: int, seed:
 
 
 def fold_frame(frame: SSEFrame, t: Turn) -> None:
-    """One Chat Completions stream frame into the turn: content, finish, usage, cached tokens.
-
-    Role-only first frames (vLLM sends one before the prefill ends) are not a token. Cached tokens come
-    from `usage.prompt_tokens_details.cached_tokens` (OpenAI, Lucebox, recent llama.cpp) or else
-    llama.cpp's `timings.cache_n`; a server reporting neither leaves them None.
-    """
-    if frame.data == "[DONE]":
-        t.done = True
-        return
-    obj = json.loads(frame.data)
-    if "error" in obj:
-        t.error = f"error in stream: {json.dumps(obj['error'])}"
-        return
-    for choice in obj.get("choices") or []:
-        delta = choice.get("delta") or {}
-        if delta.get("content"):
-            t.reply.append(delta["content"])
-        if delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning") \
-                or delta.get("tool_calls"):
-            t.first = frame.time if t.first is None else t.first
-        if choice.get("finish_reason") and t.finish is None:
-            t.finish = frame.time
-    usage = obj.get("usage")
-    if isinstance(usage, dict):
-        t.prompt_tokens = usage.get("prompt_tokens", t.prompt_tokens)
-        t.completion_tokens = usage.get("completion_tokens", t.completion_tokens)
-        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-        if isinstance(cached, int):
-            t.cached_tokens = cached
-    timings = obj.get("timings")
-    if t.cached_tokens is None and isinstance(timings, dict) and isinstance(timings.get("cache_n"), int):
-        t.cached_tokens = timings["cache_n"]
+    """One Chat Completions stream frame into the turn: content, first token, finish, usage, cached tokens."""
+    f = parse_chat_frame(frame)
+    t.done |= f.done
+    t.error = f.error or t.error
+    if f.content:
+        t.reply.append(f.content)
+    if f.token and t.first is None:
+        t.first = frame.time
+    if f.finish and t.finish is None:
+        t.finish = frame.time
+    t.prompt_tokens = f.prompt_tokens if f.prompt_tokens is not None else t.prompt_tokens
+    t.completion_tokens = f.completion_tokens if f.completion_tokens is not None else t.completion_tokens
+    t.cached_tokens = f.cached_tokens if f.cached_tokens is not None else t.cached_tokens
 
 
 async def run_turn(base: str, headers: dict[str, str], body: dict[str, Any], t: Turn) -> Turn:

@@ -212,23 +212,60 @@ def chat_body(model: str, content: str, max_tokens: int) -> dict[str, Any]:
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
 
 
-def chat_frame(frame: SSEFrame, r: RequestResult) -> None:
-    """Fold one OpenAI Chat Completions stream frame into the result."""
+@dataclass
+class ChatFrame:
+    """What one OpenAI Chat Completions stream frame says, as the benchmarks read it."""
+
+    done: bool = False
+    """The `[DONE]` marker."""
+    error: str | None = None
+    content: str = ""
+    token: bool = False
+    """It carries generated content: text, reasoning (`reasoning_content` or `reasoning`) or tool calls.
+    Role-only first frames (vLLM sends one before the prefill ends) are not a token."""
+    finish: str | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None
+    """`usage.prompt_tokens_details.cached_tokens` (OpenAI, Lucebox, recent llama.cpp), else llama.cpp's
+    `timings.cache_n`; None when the server reports neither."""
+
+
+def parse_chat_frame(frame: SSEFrame) -> ChatFrame:
+    """One Chat Completions stream frame (raises ValueError on a frame that is not JSON)."""
     if frame.data == "[DONE]":
-        r.done = True
-        return
+        return ChatFrame(done=True)
     obj = json.loads(frame.data)
     if "error" in obj:
-        r.error = f"error in stream: {json.dumps(obj['error'])}"
-        return
+        return ChatFrame(error=f"error in stream: {json.dumps(obj['error'])}")
+    out = ChatFrame()
     for choice in obj.get("choices") or []:
         delta = choice.get("delta") or {}
-        if delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls"):
-            r.deltas.append(frame.time)
-        r.finish = choice.get("finish_reason") or r.finish
+        out.content += delta.get("content") or ""
+        out.token |= bool(delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning")
+                          or delta.get("tool_calls"))
+        out.finish = choice.get("finish_reason") or out.finish
     usage = obj.get("usage")
-    if usage:
-        r.prompt_tokens, r.output_tokens = usage.get("prompt_tokens"), usage.get("completion_tokens")
+    if isinstance(usage, dict):
+        out.prompt_tokens, out.completion_tokens = usage.get("prompt_tokens"), usage.get("completion_tokens")
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        out.cached_tokens = cached if isinstance(cached, int) else None
+    timings = obj.get("timings")
+    if out.cached_tokens is None and isinstance(timings, dict) and isinstance(timings.get("cache_n"), int):
+        out.cached_tokens = timings["cache_n"]
+    return out
+
+
+def chat_frame(frame: SSEFrame, r: RequestResult) -> None:
+    """Fold one OpenAI Chat Completions stream frame into the result."""
+    f = parse_chat_frame(frame)
+    r.done |= f.done
+    r.error = f.error or r.error
+    if f.token:
+        r.deltas.append(frame.time)
+    r.finish = f.finish or r.finish
+    if f.completion_tokens is not None or f.prompt_tokens is not None:
+        r.prompt_tokens, r.output_tokens = f.prompt_tokens, f.completion_tokens
 
 
 def anthropic_body(model: str, content: str, max_tokens: int) -> dict[str, Any]:
