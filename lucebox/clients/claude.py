@@ -9,7 +9,12 @@ Anthropic. A server context of 64k or more goes to
 `CLAUDE_CODE_MAX_CONTEXT_TOKENS` (unknown models are otherwise assumed to have
 1M tokens); with SmolLM2's 8k that setting made Claude Code refuse every
 prompt locally (`blocking_limit`), so small windows are left unsaid and Claude
-Code only warns "context assumed to be 1m tokens". Telemetry, error
+Code only warns "context assumed to be 1m tokens". Replies are capped at a
+quarter of the server's window (`CLAUDE_CODE_MAX_OUTPUT_TOKENS`, at most
+Claude Code's own 32000): Claude Code asks for 32000 at temperature 1, and a
+small model that never samples its end-of-turn token otherwise streams until
+the window is full (3,680 tokens, seven minutes, for "Say hello." on SmolLM2
+on a CPU). Telemetry, error
 reporting, the auto-updater and other nonessential traffic are off.
 `CLAUDE_CONFIG_DIR` is a private folder whose `.claude.json` marks onboarding
 done and the dummy API key approved, so the interactive UI starts without
@@ -30,6 +35,7 @@ SPEC = ClientSpec("claude", "npm", "@anthropic-ai/claude-code", "2.1.332", "clau
                   note="native binary from the npm package @anthropic-ai/claude-code-linux-x64 (~385 MiB)")
 
 LEAN_TOOLS = "Bash,Read,Edit,Write"
+CLAUDE_MAX_OUTPUT = 32000  # Claude Code's default reply budget
 CLAUDE_MIN_WINDOW = 65536  # CLAUDE_CODE_MAX_CONTEXT_TOKENS only from here up (at 8k Claude Code refuses all prompts)
 
 
@@ -42,6 +48,7 @@ def env_for(target: Target) -> dict[str, str]:
               if target.context_length >= CLAUDE_MIN_WINDOW else {})
     return {
         **window,
+        "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(max(256, min(CLAUDE_MAX_OUTPUT, target.context_length // 4))),
         "CLAUDE_CONFIG_DIR": str(target.home),
         "ANTHROPIC_BASE_URL": target.url,
         "ANTHROPIC_API_KEY": target.api_key,

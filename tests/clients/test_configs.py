@@ -41,6 +41,9 @@ def test_claude_points_every_model_slot_at_lucebox(tmp_path):
     assert "CLAUDE_CODE_MAX_CONTEXT_TOKENS" not in launch.env  # at 8k Claude Code would refuse every prompt
     big = claude.launch(target(tmp_path, lean=False, ctx=131072), [], "/bin/claude")
     assert big.env["CLAUDE_CODE_MAX_CONTEXT_TOKENS"] == "131072" and "--bare" not in big.argv
+    # replies capped at a quarter of the window (8k: 2048), never above Claude Code's own 32000
+    assert launch.env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] == str(t.context_length // 4)
+    assert big.env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] == "32000"
 
 
 def test_opencode_config_uses_openai_compatible(tmp_path):
