@@ -186,7 +186,10 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 
 @needs_cuda
-def test_the_copy_runs_on_a_side_stream_after_the_main_stream():
+@pytest.mark.parametrize("from_copier_thread", [False, True])
+def test_the_copy_runs_on_a_side_stream_after_the_step_that_wrote_the_kv(from_copier_thread):
+    """Started on the engine thread (after its current stream) or on the copier thread (after the event the
+    commit recorded), the copy waits for a step still running, then holds what that step wrote."""
     kv = KVCache(torch.zeros(2, 2, 64 * 16, 2, 64, device="cuda"), 16, BlockPool(64))
     table = kv.pool.allocate(8)
     n = 8 * 16
@@ -194,31 +197,19 @@ def test_the_copy_runs_on_a_side_stream_after_the_main_stream():
     gather_kv_into(kv, table, n, out).wait()  # a first pinned allocation of a size may sync the device: not timed
     torch.cuda._sleep(200_000_000)  # the main stream is busy (a long step) ...
     kv.data.fill_(3.0)  # ... and then writes the KV
-    copy = gather_kv_into(kv, table, n, out)
-    assert not copy.done(), "returned without waiting for the main stream"
+    if from_copier_thread:
+        after = torch.cuda.Event()
+        after.record()
+        started: dict[str, object] = {}
+        worker = threading.Thread(target=lambda: started.update(copy=gather_kv_into(kv, table, n, out, after=after)))
+        worker.start()
+        worker.join(30)
+        copy = started["copy"]
+    else:
+        copy = gather_kv_into(kv, table, n, out)
+    assert not copy.done(), "returned without waiting for the step"
     copy.wait()
     assert bool((out == 3.0).all()), "ordered after the step that wrote the KV"
-
-
-@needs_cuda
-def test_a_copy_the_copier_thread_starts_waits_for_the_steps_event():
-    kv = KVCache(torch.zeros(2, 2, 64 * 16, 2, 64, device="cuda"), 16, BlockPool(64))
-    table = kv.pool.allocate(8)
-    n = 8 * 16
-    out = torch.empty(snapshot_shape(kv, n), dtype=kv.data.dtype, pin_memory=True)
-    gather_kv_into(kv, table, n, out).wait()  # a first pinned allocation of a size may sync the device: not timed
-    torch.cuda._sleep(200_000_000)  # the engine thread's step is still running ...
-    kv.data.fill_(5.0)
-    after = torch.cuda.Event()
-    after.record()  # ... when the commit records its event and hands the copy over
-    started: dict[str, object] = {}
-    worker = threading.Thread(target=lambda: started.update(copy=gather_kv_into(kv, table, n, out, after=after)))
-    worker.start()
-    worker.join(30)
-    copy = started["copy"]
-    assert not copy.done(), "the copy waits for the step's event"
-    copy.wait()
-    assert bool((out == 5.0).all())
 
 
 @needs_cuda

@@ -306,9 +306,12 @@ DIALECTS = {
 
 
 async def one_request(base: str, dialect: Dialect, model: str, content: str, max_tokens: int,
-                      headers: dict[str, str]) -> RequestResult:
-    """Stream one request to its end; failures are recorded in the result, not raised."""
-    r = RequestResult(start=time.perf_counter())
+                      headers: dict[str, str], r: RequestResult | None = None) -> RequestResult:
+    """Stream one request to its end; failures are recorded in the result, not raised.
+
+    `r`: the result to fill as frames arrive (a caller may read it while the request runs, or cancel it)."""
+    r = r or RequestResult()
+    r.start = time.perf_counter()
     try:
         async for frame in stream_sse(base + dialect.path, dialect.body(model, content, max_tokens), headers=headers):
             dialect.on_frame(frame, r)
@@ -419,20 +422,8 @@ async def long_prompt_case(base: str, dialect: Dialect, model: str, streams: lis
     are then cut (their sockets closed: the server sees disconnects).
     """
     results = [RequestResult() for _ in streams]
-
-    async def stream(content: str, r: RequestResult) -> None:
-        r.start = time.perf_counter()
-        try:
-            body = dialect.body(model, content, STREAM_TOKENS)
-            async for frame in stream_sse(base + dialect.path, body, headers=headers):
-                dialect.on_frame(frame, r)
-        except HttpClientError as exc:
-            r.error = str(exc)
-        except (ValueError, KeyError, TypeError) as exc:
-            r.error = f"unexpected stream frame: {exc!r}"
-        r.end = time.perf_counter()
-
-    tasks = [asyncio.create_task(stream(c, r)) for c, r in zip(streams, results)]
+    tasks = [asyncio.create_task(one_request(base, dialect, model, c, STREAM_TOKENS, headers, r))
+             for c, r in zip(streams, results)]
     try:
         deadline = time.perf_counter() + START_TIMEOUT
         while any(len(r.deltas) < STEADY_TOKENS and r.error is None and not r.end for r in results):
@@ -639,9 +630,10 @@ async def _bench(args: argparse.Namespace, base: str, server: ServerProcess | No
         print(f"bench serve: {min(max(levels), LONG_STREAMS)} streams decoding while a {args.long_prompt}-token "
               "prompt prefills",
               file=sys.stderr, flush=True)
-        extra = await builder.build(min(max(levels), LONG_STREAMS) + 1, args.prompt_len, template_tokens)
+        streams = await builder.build(min(max(levels), LONG_STREAMS), args.prompt_len, template_tokens)
+        # from the documents in reverse order: its text shares no prefix with the streams' prompts
         long_prompt = (await PromptBuilder(base, docs[::-1], headers).build(1, args.long_prompt, template_tokens))[0]
-        long_case = await long_prompt_case(base, dialect, model_id, extra[1:], long_prompt, headers)
+        long_case = await long_prompt_case(base, dialect, model_id, streams, long_prompt, headers)
 
     model = props.get("model") or {}
     device = torch.device(model.get("device") or "cpu")

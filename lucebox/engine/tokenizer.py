@@ -127,10 +127,11 @@ class Tokenizer:
         `add_special` prepends BOS where the model wants one (`add_bos`). Texts
         over a few KB go through `encode_batch`, which releases the GIL, so a
         long prompt tokenized in a worker thread does not stall the event loop.
-        The pieces between special tokens that were seen before (an agent's
-        system prompt and earlier turns) are not encoded again (`segments`).
+        Such texts go piece by piece between special tokens, and the pieces seen
+        before (an agent's system prompt and earlier turns) are not encoded again
+        (`segments`).
         """
-        if self.segments is not None:
+        if len(text) > 4096 and self.segments is not None:
             ids = self.segments.encode(text)
         elif len(text) > 4096:
             ids = self.hf.encode_batch([text], add_special_tokens=False)[0].ids

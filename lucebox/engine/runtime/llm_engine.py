@@ -421,16 +421,16 @@ class LLMEngine:
         """
         if self.pacer is not None:
             self.scheduler.prefill_cap = self.pacer.budget()
-        t0 = time.perf_counter()
+        t0 = time.perf_counter()  # the pacer's step time
         chunks = self.scheduler.schedule()
         self.last_step = [(c.seq.seq_id, c.start, c.n) for c in chunks]
         if not chunks:
             return []
+        if self.pacer is None:
+            return self._spec_step(chunks) if self.spec is not None else self._plain_step(chunks)
         decode_rows = sum(1 for c in chunks if is_decode(c))  # before the step: it appends the sampled tokens
-        prefill_tokens = sum(c.n for c in chunks) - decode_rows
         outputs = self._spec_step(chunks) if self.spec is not None else self._plain_step(chunks)
-        if self.pacer is not None:
-            self.pacer.observe(decode_rows, prefill_tokens, time.perf_counter() - t0)
+        self.pacer.observe(decode_rows, sum(c.n for c in chunks) - decode_rows, time.perf_counter() - t0)
         return outputs
 
     def _plain_step(self, chunks: list[Chunk]) -> list[StepOutput]:
