@@ -204,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train-drafter", help="train a DFlash drafter for a target by self-distillation")
     add_train_args(p)
-    p.set_defaults(func=_lazy("lucebox.train.trainer", "main"))
+    p.set_defaults(func=_lazy("lucebox.train.command", "main"))
     from lucebox.clients.cli import add_clients_parser
 
     add_clients_parser(sub, _lazy)
@@ -252,7 +252,6 @@ def add_pflash_bench_args(b: argparse.ArgumentParser) -> None:
 
 
 def add_train_args(p: argparse.ArgumentParser) -> None:
-    """The `train-drafter` flags."""
     """`python -m lucebox train-drafter` flags."""
     p.add_argument("--target", "-m", default=None, help="target model: GGUF file, HF folder or known name "
                    "(default smollm2)")

@@ -22,7 +22,7 @@ from lucebox.engine.pflash.scorer import score_prompt
 from lucebox.engine.runtime.llm_engine import EngineConfig, LLMEngine
 from lucebox.engine.runtime.sampler import SamplingParams
 from lucebox.engine.runtime.sequence import Chunk, Sequence
-from lucebox.train.trainer import TargetFeatures
+from lucebox.train.features import TargetFeatures
 
 ARCHS = {  # arch -> tiny-model overrides
     "llama": {"num_layers": 3},

@@ -89,7 +89,7 @@ def test_default_model_greedy_spec_equals_plain_with_its_shipped_drafter(smollm2
 
 def test_shipped_drafter_beats_a_fresh_one_on_held_out_prompts(smollm2_path, tmp_path):
     from lucebox.engine.weights.loader import load_model
-    from lucebox.train.trainer import measure_acceptance
+    from lucebox.train.acceptance import measure_acceptance
 
     loaded = load_model(smollm2_path, device=torch.device("cpu"), dtype=torch.float32, quiet=True)
     fresh = tmp_path / "fresh"

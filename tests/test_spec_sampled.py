@@ -37,7 +37,8 @@ from lucebox.engine.runtime.sampler import SamplingParams, filter_logits
 from lucebox.engine.spec import dflash
 from lucebox.engine.spec.drafter import save_drafter
 from lucebox.engine.weights.loader import load_model
-from lucebox.train import trainer as T
+from lucebox.train.examples import Example
+from lucebox.train.trainer import TrainConfig, Trainer, new_drafter
 
 PROMPT = list(range(5, 30))
 NEW = 3  # new tokens per request: the joint outcome is the test's "symbol"
@@ -185,9 +186,9 @@ def drafted(tiny_gguf, tmp_path_factory):
     loaded = load_model(target, device="cpu", dtype=torch.float32, quiet=True)
     gen = LLMEngine(loaded, EngineConfig(device="cpu", dtype="float32", kv_tokens=64 * 48, max_num_seqs=64))
     responses = outcomes(gen, range(10**6, 10**6 + 64), new=16, **PARAMS)
-    examples = [T.Example(len(PROMPT), PROMPT + list(r)) for r in responses]
-    trainer = T.Trainer(loaded, gen, examples, T.new_drafter(loaded, layers=1, block_size=BLOCK, target_layers=[0, 1]),
-                        T.TrainConfig(steps=200, batch=4, anchors=16, lr=5e-3, save_dtype="float32"))
+    examples = [Example(len(PROMPT), PROMPT + list(r)) for r in responses]
+    trainer = Trainer(loaded, gen, examples, new_drafter(loaded, layers=1, block_size=BLOCK, target_layers=[0, 1]),
+                        TrainConfig(steps=200, batch=4, anchors=16, lr=5e-3, save_dtype="float32"))
     for _ in range(200):
         trainer.train_step()
     folder = tmp_path_factory.mktemp("sampled-drafter")

@@ -1,4 +1,4 @@
-"""Drafter training (lucebox.train.trainer, .data): the training forward is the inference drafter, the loss
+"""Drafter training (lucebox.train): the training forward is the inference drafter, the loss
 learns, the acceptance measured by the real decode loop follows the training metric, checkpoints and resume.
 
 The end-to-end checks train a small drafter for a tiny random target: its greedy outputs are low-entropy loops,
@@ -30,7 +30,20 @@ from lucebox.engine.spec.drafter import DFlashDrafter, drafter_config_for, load_
 from lucebox.engine.weights.loader import load_model
 from lucebox.errors import LuceboxError
 from lucebox.train import data
-from lucebox.train import trainer as T
+from lucebox.train.acceptance import measure_acceptance, simulated_acceptance
+from lucebox.train.command import EXAMPLES, SUMMARY, TRAIN_LOG, RunOptions, fit_steps, main, run_training
+from lucebox.train.examples import generate_examples, generation_engine
+from lucebox.train.features import TargetFeatures
+from lucebox.train.loss import (
+    block_mask,
+    drafter_hidden,
+    head_cross_entropy,
+    head_weight,
+    loss_gamma,
+    position_weights,
+    sample_anchors,
+)
+from lucebox.train.trainer import STATE, TrainConfig, Trainer, new_drafter
 from tests.fixtures import tiny_models
 
 DATA = DATA_DIR  # bundled in the repository (lucebox/data): a missing file fails, never skips
@@ -63,29 +76,29 @@ def public_keys(n_layers: int) -> set[str]:
 
 
 def test_loss_weights_follow_dflash():
-    assert T.loss_gamma(16) == 7 and T.loss_gamma(10) == 5 and T.loss_gamma(8) == 4
-    assert 5 < T.loss_gamma(12) < 7 and T.loss_gamma(4) == 2 and T.loss_gamma(22) > 7
-    w = T.position_weights(16)
+    assert loss_gamma(16) == 7 and loss_gamma(10) == 5 and loss_gamma(8) == 4
+    assert 5 < loss_gamma(12) < 7 and loss_gamma(4) == 2 and loss_gamma(22) > 7
+    w = position_weights(16)
     assert w.shape == (15,) and w[0] == 1 and torch.allclose(w[7], torch.exp(torch.tensor(-1.0)))
 
 
 def test_anchors_are_response_positions_with_a_full_block():
-    a = T.sample_anchors(prompt_len=10, total_len=40, block=8, max_anchors=100)
+    a = sample_anchors(prompt_len=10, total_len=40, block=8, max_anchors=100)
     assert a.tolist() == list(range(10, 33))  # a <= T - B: labels a+1..a+7 exist
     g = torch.Generator().manual_seed(0)
-    b = T.sample_anchors(10, 40, 8, 5, g)
+    b = sample_anchors(10, 40, 8, 5, g)
     assert len(b) == 5 and b.tolist() == sorted(set(b.tolist())) and all(10 <= x <= 32 for x in b.tolist())
-    assert len(T.sample_anchors(10, 17, 8, 100)) == 0  # response shorter than a block
+    assert len(sample_anchors(10, 17, 8, 100)) == 0  # response shorter than a block
 
 
 def test_block_mask_context_is_strictly_before_the_anchor_and_blocks_are_isolated():
-    m = T.block_mask(torch.tensor([3, 5]), ctx_len=5, block=3)
+    m = block_mask(torch.tensor([3, 5]), ctx_len=5, block=3)
     assert m.shape == (6, 5 + 6)
     first, second = m[:3], m[3:]
     assert first[:, :3].all() and not first[:, 3:5].any()  # anchor 3 sees positions 0, 1, 2 only
     assert first[:, 5:8].all() and not first[:, 8:].any()  # its own block both ways, not the other
     assert second[:, :5].all() and second[:, 8:].all() and not second[:, 5:8].any()
-    w = T.block_mask(torch.tensor([3, 5]), ctx_len=5, block=3, window=2, pad_to=8)
+    w = block_mask(torch.tensor([3, 5]), ctx_len=5, block=3, window=2, pad_to=8)
     assert w.shape[1] == 16 and not w[:, 11:].any()  # padding never attended
     assert w[3:, 3:5].all() and not w[3:, :3].any()  # anchor 5, window 2: positions 3, 4
 
@@ -94,7 +107,7 @@ def test_head_cross_entropy_equals_autograd_reference():
     torch.manual_seed(0)
     h = torch.randn(37, 16, requires_grad=True)
     weight, labels, row_w = torch.randn(50, 16), torch.randint(0, 50, (37,)), torch.rand(37)
-    loss, preds = T.head_cross_entropy(h, weight, labels, row_w, chunk=8)
+    loss, preds = head_cross_entropy(h, weight, labels, row_w, chunk=8)
     (3 * loss).backward()
     grad = h.grad.clone()
     h.grad = None
@@ -125,11 +138,11 @@ def test_training_forward_is_the_inference_drafter(tiny_gguf, tmp_path, arch):
     rng = random.Random(0)
     prompt = [rng.randrange(3, 300) for _ in range(20)]
     tokens = prompt + plain.generate([prompt], SamplingParams(max_tokens=30, ignore_eos=True))[0]
-    features = T.TargetFeatures(plain, dcfg.target_layer_ids)([tokens])[0]
+    features = TargetFeatures(plain, dcfg.target_layer_ids)([tokens])[0]
     anchors = torch.tensor([20, 23, 31, 44])
     model = plain.loaded.model
-    h = T.drafter_hidden(spec.spec.drafter, model, features, torch.tensor(tokens), anchors)
-    train_lp = (h @ T.head_weight(model).t()).log_softmax(-1)
+    h = drafter_hidden(spec.spec.drafter, model, features, torch.tensor(tokens), anchors)
+    train_lp = (h @ head_weight(model).t()).log_softmax(-1)
     for i, a in enumerate(anchors.tolist()):
         seq = spec.add(tokens[:a], SamplingParams(max_tokens=50, ignore_eos=True))
         while seq.num_computed < a:  # prefill: drafter context = features of 0..a-1, then samples tokens[a]
@@ -151,18 +164,18 @@ def trained(tiny_gguf, tmp_path_factory):
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 380) for _ in range(rng.randrange(4, 16))] for _ in range(256 + 16)]
     train_p, held_out = prompts[:256], prompts[256:]
-    engine = T.generation_engine(loaded, 64, 16, 56)
-    examples = T.generate_examples(loaded, train_p, max_new_tokens=48, batch=64, engine=engine, quiet=True)
+    engine = generation_engine(loaded, 64, 16, 56)
+    examples = generate_examples(loaded, train_p, max_new_tokens=48, batch=64, engine=engine, quiet=True)
     out = tmp_path_factory.mktemp("drafter")
-    drafter = T.new_drafter(loaded, layers=1, block_size=8, target_layers=[0, 1], seed=0)
+    drafter = new_drafter(loaded, layers=1, block_size=8, target_layers=[0, 1], seed=0)
     save_drafter(drafter, out / "fresh")
-    fresh = T.measure_acceptance(loaded, out / "fresh", held_out, 48, ignore_eos=True)
-    trainer = T.Trainer(loaded, engine, examples, drafter,
-                        T.TrainConfig(steps=400, batch=4, anchors=48, lr=3e-3, save_dtype="float32"))
-    opts = T.RunOptions(out=out / "d", log_every=20, save_every=400, eval_prompts=held_out[:4], eval_tokens=24,
+    fresh = measure_acceptance(loaded, out / "fresh", held_out, 48, ignore_eos=True)
+    trainer = Trainer(loaded, engine, examples, drafter,
+                        TrainConfig(steps=400, batch=4, anchors=48, lr=3e-3, save_dtype="float32"))
+    opts = RunOptions(out=out / "d", log_every=20, save_every=400, eval_prompts=held_out[:4], eval_tokens=24,
                         eval_ddtree_budget=10, quiet=True)
     (out / "d").mkdir()
-    result = T.run_training(trainer, opts)
+    result = run_training(trainer, opts)
     return SimpleNamespace(loaded=loaded, engine=engine, trainer=trainer, out=out / "d", result=result,
                            train_prompts=train_p, held_out=held_out, fresh=fresh)
 
@@ -175,7 +188,7 @@ def test_training_loss_decreases(trained):
 
 
 def test_trained_drafter_beats_a_fresh_one_in_the_real_decode_loop(trained):
-    acc = T.measure_acceptance(trained.loaded, trained.out, trained.held_out, 48, ignore_eos=True)
+    acc = measure_acceptance(trained.loaded, trained.out, trained.held_out, 48, ignore_eos=True)
     assert trained.fresh.tau < 1.2  # a fresh drafter's drafts are almost never accepted
     assert acc.tau > 1.6 and acc.tau > trained.fresh.tau + 0.5
     assert [e["mode"] for e in trained.trainer.evals] == ["chain", "ddtree10"]  # measured by run_training too
@@ -184,20 +197,20 @@ def test_trained_drafter_beats_a_fresh_one_in_the_real_decode_loop(trained):
 def test_training_metric_tracks_the_decode_loop(trained):
     """The training forward's chain walk gives the decode loop's tau; the logged metric follows it."""
     tr, loaded = trained.trainer, trained.loaded
-    real = T.measure_acceptance(loaded, trained.out, trained.held_out, 48, ignore_eos=True)
+    real = measure_acceptance(loaded, trained.out, trained.held_out, 48, ignore_eos=True)
     ref = trained.engine.generate(trained.held_out, SamplingParams(max_tokens=48 + 8, ignore_eos=True))
     seqs = [p + r for p, r in zip(trained.held_out, ref)]
-    feats = T.TargetFeatures(trained.engine, tr.drafter.cfg.target_layer_ids)(seqs)
+    feats = TargetFeatures(trained.engine, tr.drafter.cfg.target_layer_ids)(seqs)
     steps = committed = 0
     for p, s, f in zip(trained.held_out, seqs, feats):
-        st, c = T.simulated_acceptance(tr.drafter, loaded.model, f, torch.tensor(s), len(p), 48)
+        st, c = simulated_acceptance(tr.drafter, loaded.model, f, torch.tensor(s), len(p), 48)
         steps, committed = steps + st, committed + c
     assert abs(committed / steps - real.tau) <= 0.02 * real.tau
     # The logged training metric (last quarter of training) against the decode loop on the training prompts.
     late = [r for r in tr.history if r["step"] > 300]
     walk = sum(r["tau_walk"] for r in late) / len(late)
     acc1 = sum(r["acc"][0] for r in late) / len(late)
-    on_train = T.measure_acceptance(loaded, trained.out, trained.train_prompts[:64], 48).tau
+    on_train = measure_acceptance(loaded, trained.out, trained.train_prompts[:64], 48).tau
     assert abs(walk - on_train) <= 0.25 * on_train
     assert acc1 > 0.5 and on_train > 1.5  # high training accuracy <-> tau well above 1 (no off-by-one)
 
@@ -206,7 +219,7 @@ def test_greedy_output_with_the_trained_drafter_equals_plain_decoding(trained):
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     plain = trained.engine.generate(trained.held_out, params)
     for ddtree in (False, True):
-        got = T.measure_acceptance(trained.loaded, trained.out, trained.held_out, 40, ddtree=ddtree, budget=12,
+        got = measure_acceptance(trained.loaded, trained.out, trained.held_out, 40, ddtree=ddtree, budget=12,
                                    ignore_eos=True)
         assert got.outputs == plain and got.tau > 1.5
 
@@ -261,23 +274,23 @@ def test_training_walk_equals_the_decode_loop_prompt_by_prompt(tmp_path):
     loaded = load(write_paired_target(tmp_path / "paired" / "t.gguf"))
     rng = random.Random(2)
     train_p = [[rng.randrange(3, 380) for _ in range(rng.randrange(4, 16))] for _ in range(96)]
-    engine = T.generation_engine(loaded, 96, 16, 40)
-    examples = T.generate_examples(loaded, train_p, max_new_tokens=32, batch=96, engine=engine, quiet=True)
+    engine = generation_engine(loaded, 96, 16, 40)
+    examples = generate_examples(loaded, train_p, max_new_tokens=32, batch=96, engine=engine, quiet=True)
     assert all(e.tokens[i] == e.tokens[i - 2] != e.tokens[i - 1] for e in examples
                for i in range(e.prompt_len + 1, len(e.tokens)))  # the data alternates
-    drafter = T.new_drafter(loaded, layers=1, block_size=6, target_layers=[0, 1], seed=0)
-    trainer = T.Trainer(loaded, engine, examples, drafter,
-                        T.TrainConfig(steps=120, batch=4, anchors=32, lr=5e-3, save_dtype="float32"))
-    T.run_training(trainer, T.RunOptions(out=tmp_path / "d", log_every=40, save_every=120, quiet=True))
+    drafter = new_drafter(loaded, layers=1, block_size=6, target_layers=[0, 1], seed=0)
+    trainer = Trainer(loaded, engine, examples, drafter,
+                        TrainConfig(steps=120, batch=4, anchors=32, lr=5e-3, save_dtype="float32"))
+    run_training(trainer, RunOptions(out=tmp_path / "d", log_every=40, save_every=120, quiet=True))
     assert trainer.history[-1]["acc"][0] > 0.2
     # Prompts it trained on: there its drafts are often right, which makes the comparison discriminating.
     check = train_p[:8]
     ref = engine.generate(check, SamplingParams(max_tokens=24 + 6, ignore_eos=True))
-    feats = T.TargetFeatures(engine, drafter.cfg.target_layer_ids)([p + r for p, r in zip(check, ref)])
+    feats = TargetFeatures(engine, drafter.cfg.target_layer_ids)([p + r for p, r in zip(check, ref)])
     taus = []
     for p, r, f in zip(check, ref, feats):
-        sim = T.simulated_acceptance(trainer.drafter, loaded.model, f, torch.tensor(p + r), len(p), 24)
-        real = T.measure_acceptance(loaded, tmp_path / "d", [p], 24, ignore_eos=True)
+        sim = simulated_acceptance(trainer.drafter, loaded.model, f, torch.tensor(p + r), len(p), 24)
+        real = measure_acceptance(loaded, tmp_path / "d", [p], 24, ignore_eos=True)
         assert real.outputs == [r[:24]]
         assert sim == (real.steps, real.committed)
         taus.append(real.tau)
@@ -308,19 +321,19 @@ def test_command_caches_examples_and_resumes_where_it_stopped(tiny_gguf, tmp_pat
     prompts.write_text("".join(json.dumps({"prompt": " ".join(rng.choices(WORDS, k=rng.randrange(3, 9)))}) + "\n"
                                for _ in range(16)))
     whole, part = tmp_path / "whole", tmp_path / "part"
-    assert T.main(cli_args(target, whole, prompts)) == 0
-    assert T.main(cli_args(target, part, prompts, stop_after=6)) == 0
-    state = torch.load(part / T.STATE, weights_only=True)
+    assert main(cli_args(target, whole, prompts)) == 0
+    assert main(cli_args(target, part, prompts, stop_after=6)) == 0
+    state = torch.load(part / STATE, weights_only=True)
     assert state["step"] == 6
-    cache = part / T.EXAMPLES
+    cache = part / EXAMPLES
     stamp = cache.stat().st_mtime_ns
     capsys.readouterr()
-    assert T.main(cli_args(target, part, prompts, resume=True)) == 0
+    assert main(cli_args(target, part, prompts, resume=True)) == 0
     err = capsys.readouterr().err
     assert "16/16 responses from" in err and "resuming at step 6/12" in err
     assert cache.stat().st_mtime_ns == stamp  # nothing regenerated
-    a = [json.loads(x) for x in (whole / T.TRAIN_LOG).read_text().splitlines()]
-    b = [json.loads(x) for x in (part / T.TRAIN_LOG).read_text().splitlines()]
+    a = [json.loads(x) for x in (whole / TRAIN_LOG).read_text().splitlines()]
+    b = [json.loads(x) for x in (part / TRAIN_LOG).read_text().splitlines()]
     assert [r["step"] for r in b] == list(range(1, 13))  # one log, steps continue
     for ra, rb in zip(a, b):
         assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-4)
@@ -328,7 +341,7 @@ def test_command_caches_examples_and_resumes_where_it_stopped(tiny_gguf, tmp_pat
         part, load(target).config, "cpu", torch.float32)
     for name, t in wa.state_dict().items():
         assert torch.allclose(t, wb.state_dict()[name], atol=1e-5)
-    summary = json.loads((part / T.SUMMARY).read_text())
+    summary = json.loads((part / SUMMARY).read_text())
     assert summary["result"]["step"] == 12 and summary["train_prompts"]["file"] == 16
 
 
@@ -337,11 +350,11 @@ def test_command_errors_are_one_line(tiny_gguf, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "hi"}\n{"text": "no prompt here"}\n')
     with pytest.raises(LuceboxError, match=r"bad.jsonl: line 2 has neither"):
-        T.main(cli_args(target, tmp_path / "o", bad))
+        main(cli_args(target, tmp_path / "o", bad))
     with pytest.raises(LuceboxError, match="nothing to resume"):
         prompts = tmp_path / "ok.jsonl"
         prompts.write_text('{"prompt": "the cat sat"}\n' * 2)
-        T.main(cli_args(target, tmp_path / "o2", prompts, resume=True))
+        main(cli_args(target, tmp_path / "o2", prompts, resume=True))
 
 
 # ----- data --------------------------------------------------------------------------------------------------
@@ -398,7 +411,7 @@ def test_prompts_file_entries_equal_to_an_eval_prompt_are_dropped(tmp_path):
 
 def test_time_budget_fits_the_step_count_to_the_pace():
     # 10 steps took 5 s: 15 s left at 0.5 s a step is 30 more steps.
-    assert T.fit_steps(10, 10, 5.0, 20.0, 1000) == 40
-    assert T.fit_steps(10, 10, 5.0, 20.0, 25) == 25  # never past the configured steps
-    assert T.fit_steps(10, 10, 30.0, 20.0, 1000) == 11  # over budget: stop after the next step
-    assert T.fit_steps(25, 25, 30.0, 20.0, 25) == 25
+    assert fit_steps(10, 10, 5.0, 20.0, 1000) == 40
+    assert fit_steps(10, 10, 5.0, 20.0, 25) == 25  # never past the configured steps
+    assert fit_steps(10, 10, 30.0, 20.0, 1000) == 11  # over budget: stop after the next step
+    assert fit_steps(25, 25, 30.0, 20.0, 25) == 25

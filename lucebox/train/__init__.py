@@ -1,5 +1,12 @@
 """Drafter training: tooling, off the serving path (nothing under lucebox/engine imports it).
 
-trainer.py: `python -m lucebox train-drafter`, self-distillation of a DFlash drafter for a target;
-data.py: its prompt sources and the held-out evaluation split.
+command.py: `python -m lucebox train-drafter`, self-distillation of a DFlash drafter for a target (its
+docstring walks through the whole pipeline), and the training run's loop;
+data.py: its prompt sources and the held-out evaluation split;
+examples.py: the target's own responses (the training data), generated and cached;
+features.py: the frozen target's hidden states the drafter is trained on;
+loss.py: the training objective (block layout, masks, weighted cross-entropy through the target's head);
+trainer.py: the optimizer, the training step and checkpoints;
+acceptance.py: tau, measured by the real decode loop and simulated from the training forward;
+log.py: the command's progress lines.
 """

@@ -1,7 +1,7 @@
 """Prompt sources for drafter training (self-distillation) and its held-out evaluation split.
 
 The drafter learns to predict what the target itself writes, so a training
-example is only a prompt: the target generates the response (lucebox.train.trainer).
+example is only a prompt: the target generates the response (lucebox.train.examples).
 Prompts come from the data bundled in the package (lucebox/data, or
 `--data-dir`), from a few deterministic generated families, and from `--prompts FILE`.
 
