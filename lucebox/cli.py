@@ -161,6 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests per level (default max(8, 2 x concurrency); the sequential baseline runs this "
                         "many, default 8)")
     b.add_argument("--dialect", choices=["chat", "anthropic"], default="chat")
+    b.add_argument("--constrained", action="store_true",
+                   help="also: run every level again with each answer held to a JSON object (constrained decoding) "
+                        "and report its tok/s against the free level")
     b.add_argument("--long-prompt", type=int, default=None, metavar="N",
                    help="also: while streams decode (the largest --concurrency, at most 8), send one N-token prompt "
                         "and report their inter-token latency during its prefill against their steady one")

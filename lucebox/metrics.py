@@ -36,6 +36,7 @@ class Metrics:
         self._lock = threading.Lock()
         self.requests: dict[tuple[str, int], int] = defaultdict(int)  # (route, status) -> count
         self.finish_reasons: dict[str, int] = defaultdict(int)
+        self.constrained: dict[str, int] = defaultdict(int)  # generations held to a grammar, by why
         self.prompt_tokens = 0
         self.generated_tokens = 0
         self.cached_tokens = 0
@@ -59,6 +60,8 @@ class Metrics:
             self.generated_tokens += usage.completion_tokens
             self.cached_tokens += usage.cached_tokens
             self.finish_reasons[finish_reason] += 1
+            if getattr(usage, "constrained", None):
+                self.constrained[usage.constrained] += 1
             ttft = usage.timings.get("ttft_ms")
             if ttft is not None:
                 self.ttft.observe(ttft / 1000)
@@ -66,6 +69,11 @@ class Metrics:
                                 "cached_tokens": usage.cached_tokens, "finish_reason": finish_reason,
                                 **usage.timings})
             del self.recent[:-20]
+
+    def constrained_counts(self) -> dict[str, int]:
+        """Generations held to a grammar so far, by why (/props)."""
+        with self._lock:
+            return dict(self.constrained)
 
     def gauge(self, name: str, help_text: str, read: Callable[[], float]) -> None:
         """Register a value read at render time (queue depth, KV blocks, …)."""
@@ -90,6 +98,10 @@ class Metrics:
             family("lucebox_generations_total", "counter", "Finished generations by finish reason")
             for reason, n in sorted(self.finish_reasons.items()):
                 lines.append(f'lucebox_generations_total{{reason="{_esc(reason)}"}} {n}')
+            family("lucebox_constrained_generations_total", "counter",
+                   "Generations held to a grammar (forced tool calls, tools, JSON), by why")
+            for kind, n in sorted(self.constrained.items()):
+                lines.append(f'lucebox_constrained_generations_total{{kind="{_esc(kind)}"}} {n}')
             for name, value, text in (
                 ("lucebox_prompt_tokens_total", self.prompt_tokens, "Prompt tokens processed"),
                 ("lucebox_generated_tokens_total", self.generated_tokens, "Tokens generated"),

@@ -261,6 +261,7 @@ def load_into(ctx: ServerContext, cfg: ServerConfig) -> Any:
     ctx.props["speculative"] = lambda: speculative_props(engine, draft, cfg)
     ctx.props["prefix_cache"] = lambda: prefix_cache_props(engine, cfg)
     ctx.props["warm_up"] = engine.warm_up_props
+    ctx.props["constrained_decoding"] = lambda: constrained_props(ctx)
     if engine.memory_plan is not None:
         ctx.props["memory_plan"] = engine.memory_plan.props()
     if cfg.warm_up:
@@ -342,6 +343,21 @@ def model_props(engine: Any, card: ModelCard | None, cfg: ServerConfig) -> dict[
         "model_card": card.raw if card else None,
         "server": cfg.public(),
     }
+
+
+def constrained_props(ctx: ServerContext) -> dict[str, Any]:
+    """/props `constrained_decoding`: the grammar library, this template's call format, what gets constrained
+    and how many generations were, by why (chat/constrain.py)."""
+    from lucebox.chat.constrain import call_format
+    from lucebox.engine.runtime import grammar
+
+    counts = ctx.metrics.constrained_counts()
+    return {"library": f"llguidance {grammar.llguidance.__version__}" if grammar.llguidance else None,
+            "call_format": call_format(ctx.prompt.template.source) if ctx.prompt else None,
+            "when": ["tool_choice required/any or a named tool: only calls", "tools with tool_choice auto: an "
+                     "opened call follows its schema", "response_format / text.format / output_config.format: "
+                     "JSON (a schema's, or any object)"],
+            "generations": counts}
 
 
 def make_app(ctx: ServerContext) -> Router:

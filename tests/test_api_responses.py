@@ -619,7 +619,7 @@ def tool_client(tool_server):
 def prompt_tokens(server, body: dict) -> int:
     """What the server must count as input: the request rendered and tokenized independently of the run."""
     parsed = parse_request(body, server.ctx)
-    text, _, _ = render_chat(server.ctx, server.ctx.prompt, parsed.chat)
+    text, _ = render_chat(server.ctx, server.ctx.prompt, parsed.chat)
     return len(server.ctx.prompt.tokenizer.encode(text, add_special=False))
 
 
@@ -738,7 +738,7 @@ def test_function_tool_round_trip(tool_server, tool_client):
     assert r2.status in ("completed", "incomplete") and r2.output
     body = {"input": turn2, "tools": [WEATHER]}
     parsed = parse_request(body, tool_server.ctx)
-    text, _, _ = render_chat(tool_server.ctx, tool_server.ctx.prompt, parsed.chat)
+    text, _ = render_chat(tool_server.ctx, tool_server.ctx.prompt, parsed.chat)
     assert "<tool_response>\nSunny, 24 degrees.\n</tool_response>" in text
     replayed = json.dumps(json.loads(fc.arguments), ensure_ascii=False)  # how the template's tojson writes it
     assert f'"name": "get_weather", "arguments": {replayed}' in text

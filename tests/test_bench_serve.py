@@ -47,7 +47,7 @@ def bench_args(**overrides: Any) -> argparse.Namespace:
     args = dict(url=None, model=None, device="auto", dtype="auto", n_ctx=None, chat_template_file=None,
                 max_num_seqs=None, kv_tokens=None, concurrency="1,4,16,64", prompt_len=256, gen_len=128,
                 requests=None, json=Path("bench_serve.json"), dialect="chat", data_dir=None, api_key=None,
-                long_prompt=None)
+                long_prompt=None, constrained=False)
     args.update(overrides)
     return argparse.Namespace(**args)
 
@@ -262,6 +262,21 @@ def test_bench_against_a_running_server(live_server, tmp_path, capsys):
         assert s["output_tokens_mean"] <= 8
     table = capsys.readouterr().out
     assert "bench serve:" in table and "concurrency 2" in table and "sequential" in table and "TTFT p50 ms" in table
+
+
+@pytest.mark.parametrize("dialect", ["chat", "anthropic"])
+def test_bench_constrained_runs_the_same_prompts_held_to_json(live_server, tmp_path, capsys, dialect):
+    """--constrained: each level again with every answer a JSON object, its tok/s against the free level's."""
+    out = tmp_path / "serve.json"
+    before = live_server.ctx.metrics.constrained_counts().get("json_object" if dialect == "chat" else "json_schema", 0)
+    assert serve.main(bench_args(url=live_server.url, concurrency="2", requests=2, gen_len=16, prompt_len=64,
+                                 json=out, dialect=dialect, constrained=True)) == 0
+    held = json.loads(out.read_text())["constrained"]
+    assert [h["vs"] for h in held] == ["concurrency 2"] and held[0]["errors"] == 0
+    assert held[0]["tok_s"] > 0 and held[0]["speedup"] > 0 and held[0]["output_tokens_mean"] <= 16
+    after = live_server.ctx.metrics.constrained_counts().get("json_object" if dialect == "chat" else "json_schema", 0)
+    assert after - before == 2  # the server held exactly those requests
+    assert "every answer a JSON object" in capsys.readouterr().out
 
 
 def test_bench_long_prompt_beside_streams(live_server, tmp_path, capsys):

@@ -76,7 +76,7 @@ from lucebox.chat.events import (
     ToolCallEnd,
     ToolCallStart,
 )
-from lucebox.chat.request import ChatRequest, bad_field, json_type, show_value
+from lucebox.chat.request import ChatRequest, bad_field, json_type, output_format, show_value
 from lucebox.chat.run import ContextOverflow, GenerationRun, Usage, render_chat
 from lucebox.http import HttpError, Request, Response, Router, error_body
 from lucebox.http.router import log_failure
@@ -181,7 +181,24 @@ def parse_request(ctx: ServerContext, body: Any) -> ChatRequest:
         enable_thinking=enable,
         thinking_budget=budget,
         model=field_of(body, "model", str, "") or ctx.model_id,
+        output_format=parse_output_format(body),
+        parallel_tool_calls=not (isinstance(body.get("tool_choice"), dict)
+                                 and body["tool_choice"].get("disable_parallel_tool_use") is True),
     )
+
+
+def parse_output_format(body: dict) -> dict | None:
+    """Structured outputs: `output_config.format` (or the beta's top-level `output_format`), {"type":
+    "json_schema", "schema": {...}}: the answer is JSON valid for the schema (chat/constrain.py)."""
+    config = field_of(body, "output_config", dict, {})
+    fmt, at = config.get("format"), "output_config.format"
+    if fmt is None and body.get("output_format") is not None:
+        fmt, at = body["output_format"], "output_format"
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):
+        raise bad_field(at, f"must be an object, not {json_type(fmt)}")
+    return output_format(fmt.get("type"), fmt.get("schema"), f"{at}.type", f"{at}.schema", True)  # always strict
 
 
 class _Conversation:
@@ -712,7 +729,7 @@ def register(router: Router, ctx: ServerContext) -> None:
         _, builder = ctx.ready()
 
         def count() -> int:
-            text, _, _ = render_chat(ctx, builder, req)
+            text, _ = render_chat(ctx, builder, req)
             return len(builder.tokenizer.encode(text, add_special=False))
 
         n = await asyncio.to_thread(count)  # off the loop; never queued behind generation

@@ -46,7 +46,7 @@ from lucebox.chat.events import (
     ToolCallEnd,
     ToolCallStart,
 )
-from lucebox.chat.request import ChatRequest, bad_field, show_value
+from lucebox.chat.request import ChatRequest, bad_field, output_format, show_value
 from lucebox.chat.run import GenerationRun, Usage
 from lucebox.engine.runtime.sampler import TokenLogprobs
 from lucebox.engine.tokenizer import Tokenizer
@@ -72,8 +72,9 @@ def parse_chat(body: Any, ctx: ServerContext) -> ChatRequest:
     """A Chat Completions body → ChatRequest; HttpError 400 naming the field on bad input.
 
     Fields the server cannot use but clients send anyway (user, metadata, store,
-    service_tier, parallel_tool_calls, stream_options, prompt_cache_key, include,
-    truncation, previous_response_id, response_format, ...) are ignored; `logit_bias` too, once checked.
+    service_tier, stream_options, prompt_cache_key, include,
+    truncation, previous_response_id, ...) are ignored; `logit_bias` too, once checked. `response_format`
+    json_object / json_schema holds the answer to JSON (chat/constrain.py).
     """
     body = require_object(body)
     reject_n(body)
@@ -97,9 +98,26 @@ def parse_chat(body: Any, ctx: ServerContext) -> ChatRequest:
         stop=stop_list(body.get("stop")),
         stream=field_of(body, "stream", bool, False),
         model=field_of(body, "model", str, "") or ctx.model_id,
+        output_format=parse_response_format(body.get("response_format")),
+        parallel_tool_calls=field_of(body, "parallel_tool_calls", bool, True),
     )
     _parse_reasoning(body, req)
     return req
+
+
+def parse_response_format(value: Any) -> dict | None:
+    """`response_format`: {"type": "text" | "json_object"} or {"type": "json_schema", "json_schema": {"name",
+    "schema", "strict"}} (strict or not, the answer is held to the schema)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise bad_field("response_format", "must be an object such as {\"type\": \"json_object\"}")
+    spec = value.get("json_schema")
+    if value.get("type") == "json_schema" and not isinstance(spec, dict):
+        raise bad_field("response_format.json_schema", "must be an object with the schema")
+    schema, strict = (spec.get("schema"), spec.get("strict")) if isinstance(spec, dict) else (None, None)
+    return output_format(value.get("type"), schema, "response_format.type", "response_format.json_schema.schema",
+                         strict)
 
 
 def parse_completion(body: Any, ctx: ServerContext) -> ChatRequest:

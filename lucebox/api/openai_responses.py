@@ -53,7 +53,7 @@ from lucebox.chat.events import (
     ToolCallEnd,
     ToolCallStart,
 )
-from lucebox.chat.request import ChatRequest, bad_field, json_type, show_value
+from lucebox.chat.request import ChatRequest, bad_field, json_type, output_format, show_value
 from lucebox.chat.run import GenerationRun, Usage
 from lucebox.http import HttpError, Request, Response, Router
 from lucebox.http.router import log_failure
@@ -62,7 +62,7 @@ from lucebox.model_cards import TIERS
 log = logging.getLogger(__name__)
 
 PATH = "/v1/responses"
-PLAIN = {"type": "text"}  # the only output format this server produces
+PLAIN = {"type": "text"}  # the output format a request that names none gets
 
 # ===================================================================================
 # 1. Parsing
@@ -131,6 +131,8 @@ def parse_request(body: dict, ctx: ServerContext) -> ParsedRequest:
         stop=stop_list(body.get("stop")),
         stream=field_of(body, "stream", bool, False),
         model=field_of(body, "model", str, "") or ctx.model_id,
+        output_format=parse_text_format(body.get("text")),
+        parallel_tool_calls=body.get("parallel_tool_calls") is not False,
     )
     if effort is not None:
         effort = _EFFORT_ALIASES.get(effort, effort)
@@ -141,7 +143,7 @@ def parse_request(body: dict, ctx: ServerContext) -> ParsedRequest:
                             "reasoning.")
         else:
             chat.reasoning_effort = effort
-    # Ignored fields (store, metadata, text, truncation, user, ...) are only echoed, and only when well-formed.
+    # Ignored fields (store, metadata, truncation, user, ...) are only echoed, and only when well-formed.
     text = body.get("text")
     echo = {
         "instructions": instructions,
@@ -160,6 +162,21 @@ def parse_request(body: dict, ctx: ServerContext) -> ParsedRequest:
         "service_tier": "default",
     }
     return ParsedRequest(chat, echo, frozenset(custom), namespaces)
+
+
+def parse_text_format(text: Any) -> dict | None:
+    """`text.format`: {"type": "text" | "json_object"} or {"type": "json_schema", "name", "schema", "strict"}."""
+    if text is None:
+        return None
+    if not isinstance(text, dict):
+        raise bad_field("text", f"must be an object, not {json_type(text)}")
+    fmt = text.get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):
+        raise bad_field("text.format", f"must be an object, not {json_type(fmt)}")
+    return output_format(fmt.get("type"), fmt.get("schema"), "text.format.type", "text.format.schema",
+                         fmt.get("strict"))
 
 
 def parse_input(value: Any, instructions: str | None = None) -> list[dict]:

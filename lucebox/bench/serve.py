@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -304,6 +305,16 @@ DIALECTS = {
     "anthropic": Dialect("/v1/messages", anthropic_body, anthropic_frame),
 }
 
+JSON_ANSWER = {"chat": {"response_format": {"type": "json_object"}},
+               "anthropic": {"output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}}
+"""What `--constrained` adds to each request: the answer is a JSON object (a grammar masks every token)."""
+
+
+def constrained(dialect: Dialect, name: str) -> Dialect:
+    """`dialect` with every request held to a JSON answer (bench serve --constrained)."""
+    extra = JSON_ANSWER[name]
+    return Dialect(dialect.path, lambda m, c, n: {**dialect.body(m, c, n), **extra}, dialect.on_frame)
+
 
 async def one_request(base: str, dialect: Dialect, model: str, content: str, max_tokens: int,
                       headers: dict[str, str], r: RequestResult | None = None) -> RequestResult:
@@ -580,6 +591,13 @@ def main(args: argparse.Namespace) -> int:
              f"max_tokens {args.gen_len}, server max_num_seqs {settings.get('max_num_seqs', '?')}")
     print_table(title, ["case", "requests", "errors", "out tok/req", "tok/s", "speedup", "TTFT p50 ms",
                         "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms"], rows)
+    if payload["constrained"]:
+        print_table("the same prompts, every answer a JSON object (a grammar masks each token); "
+                    "speedup: against the free level",
+                    ["case", "requests", "errors", "out tok/req", "tok/s", "vs free", "TTFT p50 ms", "ITL p50 ms",
+                     "ITL p99 ms"],
+                    [[s["name"], s["requests"], s["errors"], s["output_tokens_mean"], s["tok_s"], s["speedup"],
+                      s["ttft_ms"]["p50"], s["itl_ms"]["p50"], s["itl_ms"]["p99"]] for s in payload["constrained"]])
     if (lp := payload["long_prompt"]) is not None:
         s, d = lp["steady_itl_ms"], lp["during_itl_ms"]
         print_table(f"{lp['streams']} streams while one {lp['long_prompt_tokens']}-token prompt prefills "
@@ -625,6 +643,20 @@ async def _bench(args: argparse.Namespace, base: str, server: ServerProcess | No
     sequential = await run_level("sequential", base, dialect, model_id, prompts[offset:], 1, args.gen_len, headers,
                                  progress)
     progress.close()
+    held: list[dict[str, Any]] = []
+    if args.constrained:  # the same prompts again, every answer held to a JSON grammar
+        grammar = constrained(dialect, args.dialect)
+        progress = Progress("bench serve --constrained", total=sum(sizes), unit="requests")
+        offset = 0
+        for c, n, free in zip(levels, sizes, runs):
+            # The free level met these prompts cold: so must this one (Lucebox's admin route; a peer may lack it).
+            with contextlib.suppress(HttpClientError):
+                await post_json(base + "/cache/clear", {}, headers=headers)
+            level = await run_level(f"concurrency {c}, JSON", base, grammar, model_id, prompts[offset:offset + n], c,
+                                    args.gen_len, headers, progress)
+            held.append({**level.summary(free.tok_s), "vs": free.name})
+            offset += n
+        progress.close()
     long_case = None
     if args.long_prompt:
         print(f"bench serve: {min(max(levels), LONG_STREAMS)} streams decoding while a {args.long_prompt}-token "
@@ -656,5 +688,6 @@ async def _bench(args: argparse.Namespace, base: str, server: ServerProcess | No
         "env": env,
         "sequential": sequential.summary(sequential.tok_s),
         "levels": [run.summary(sequential.tok_s) for run in runs],
+        "constrained": held,
         "long_prompt": long_case,
     }

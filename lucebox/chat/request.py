@@ -34,6 +34,11 @@ class ChatRequest:
     thinking_budget: int | None = None
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     model: str = ""
+    # The answer's format (chat/constrain.py): None (free text), {"type": "json_object"} or {"type": "json_schema",
+    # "schema": {...}}; "param" names the request field, for errors.
+    output_format: dict | None = None
+    parallel_tool_calls: bool = True  # several calls in one answer (OpenAI parallel_tool_calls, Anthropic's
+    # disable_parallel_tool_use)
 
 
 def bad_field(name: str, problem: str, where: str = "") -> HttpError:
@@ -62,3 +67,18 @@ def show_value(value: Any) -> str:
     if isinstance(value, str):
         return json.dumps(value[:40] + ("..." if len(value) > 40 else ""), ensure_ascii=False)
     return json_type(value)
+
+
+def output_format(kind: Any, schema: Any, type_param: str, schema_param: str, strict: Any = None) -> dict | None:
+    """A dialect's answer format -> ChatRequest.output_format: "text" (free) | "json_object" | "json_schema"
+    (with an object `schema`; `strict`: its objects take no unlisted keys); a 400 naming the field
+    (`type_param`, `schema_param`) otherwise."""
+    if kind in (None, "text"):
+        return None
+    if kind == "json_object":
+        return {"type": "json_object", "param": type_param}
+    if kind == "json_schema":
+        if not isinstance(schema, dict):
+            raise bad_field(schema_param, f"must be a JSON schema object, not {json_type(schema)}")
+        return {"type": "json_schema", "schema": schema, "param": schema_param, "strict": strict is True}
+    raise bad_field(type_param, f"must be text, json_object or json_schema, not {show_value(kind)}")

@@ -1,8 +1,9 @@
 """One generation, start to finish: prompt, limits, PFlash, engine, detokenizer, event pipeline, usage.
 
 A dialect (api/) parses its body into a `ChatRequest` and starts a
-`GenerationRun`; the run renders the chat template (tools, thinking, a forced
-tool call), checks the prompt against the context, applies the thinking
+`GenerationRun`; the run renders the chat template (tools, thinking), holds the
+answer to its grammar where the request asks for one (forced tool calls, JSON:
+chat/constrain.py), checks the prompt against the context, applies the thinking
 budget, submits to the engine and turns its tokens into the typed events of
 chat/events.py, which the dialect renders in its own wire format. Everything
 about prompts, limits, sampling defaults, reasoning, thinking budgets, stop
@@ -13,20 +14,22 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from lucebox.chat.events import Event, Finish, TextDelta, ToolCallEnd, merge_events
+from lucebox.chat.constrain import plan_output, unreadable_tools
+from lucebox.chat.events import Event, Finish, ToolCallEnd, merge_events
 from lucebox.chat.prompt import PromptBuilder
 from lucebox.chat.reasoning import ReasoningConfig
-from lucebox.chat.request import ChatRequest, bad_field, show_value
+from lucebox.chat.request import ChatRequest, bad_field
 from lucebox.chat.stream import EventPipeline
 from lucebox.chat.template import TemplateError
 from lucebox.engine.pflash.service import Compression
 from lucebox.engine.runtime.async_engine import Generation, QueueFull
+from lucebox.engine.runtime.grammar import Constraint, GrammarError, compiler_for, grammar_from_lark
 from lucebox.engine.runtime.sampler import SamplingParams, TokenLogprobs
 from lucebox.errors import LuceboxError
 from lucebox.http import HttpError
@@ -34,6 +37,8 @@ from lucebox.http.router import CLIENT_CLOSED
 
 if TYPE_CHECKING:  # the server's state, which the API layer owns; imported for its type only (no cycle)
     from lucebox.api.common import ServerContext
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS = 4096
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -54,13 +59,14 @@ class Usage:
     cached_tokens: int = 0
     reasoning_tokens: int = 0
     timings: dict[str, Any] = field(default_factory=dict)
+    constrained: str | None = None  # why the answer followed a grammar (chat/constrain.py kinds), or None
 
     def log_fields(self) -> dict[str, Any]:
         """What the server's one line per request says of a generation: tokens, and where its TTFT went."""
         t = self.timings
         return {"prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
                 "completion_tokens": self.completion_tokens, "queue_ms": t.get("queue_ms"),
-                "prefill_ms": t.get("prefill_ms")}
+                "prefill_ms": t.get("prefill_ms"), "constrained": self.constrained}
 
 
 class GenerationRun:
@@ -72,18 +78,18 @@ class GenerationRun:
     """
 
     def __init__(self, ctx: ServerContext, req: ChatRequest, prompt_ids: list[int], prompt_text: str | None,
-                 max_tokens: int, reasoning: ReasoningConfig | None, prefix: str, thinking_budget: int | None,
-                 disconnected: asyncio.Event | None) -> None:
+                 max_tokens: int, reasoning: ReasoningConfig | None, thinking_budget: int | None,
+                 disconnected: asyncio.Event | None, constraint: Constraint | None = None) -> None:
         self.ctx = ctx
         self.req = req
         self.prompt_ids = prompt_ids
         self.prompt_text = prompt_text
         self.max_tokens = max_tokens
         self.reasoning = reasoning
-        self.prefix = prefix  # text already in the prompt that the parser must see (forced tool call)
+        self.constraint = constraint  # the grammar the answer follows (chat/constrain.py), or None
         self.thinking_budget = thinking_budget
         self.disconnected = disconnected
-        self.usage = Usage(prompt_tokens=len(prompt_ids))
+        self.usage = Usage(prompt_tokens=len(prompt_ids), constrained=constraint.kind if constraint else None)
         self.logprobs: list[TokenLogprobs] = []
         self.gen: Generation | None = None
         self.tool_calls: list[ToolCallEnd] = []
@@ -96,7 +102,7 @@ class GenerationRun:
                     disconnected: asyncio.Event | None = None) -> GenerationRun:
         engine, builder = ctx.ready()
         # Rendering and tokenizing a long prompt takes a while: never on the loop.
-        ids, text, reasoning, prefix = await asyncio.to_thread(cls._prompt, ctx, builder, req)
+        ids, text, reasoning, constraint = await asyncio.to_thread(cls._prompt, ctx, builder, req)
         max_tokens = resolve_max_tokens(ctx, req, len(ids))  # the raw prompt must fit: PFlash is no context extender
         arrived = time.monotonic()
         compression = await maybe_compress(ctx, builder, req, ids, text)
@@ -107,11 +113,11 @@ class GenerationRun:
         exact_key = compression.key if compression is not None else None
         hint = await asyncio.to_thread(cache.prepare, ids, exact_key) if cache is not None else None
         budget = thinking_budget(ctx, req) if reasoning is not None and reasoning.enabled else None
-        run = cls(ctx, req, ids, text, max_tokens, reasoning, prefix, budget, disconnected)
+        run = cls(ctx, req, ids, text, max_tokens, reasoning, budget, disconnected, constraint)
         run.compression = compression
         params = SamplingParams(**{**req.params.__dict__, "max_tokens": max_tokens})
         try:
-            run.gen = engine.submit(ids, params, disconnected, cache_hint=hint)
+            run.gen = engine.submit(ids, params, disconnected, cache_hint=hint, constraint=constraint)
         except QueueFull as exc:
             raise HttpError(503, str(exc), "overloaded_error", headers={"Retry-After": "1"}) from None
         except LuceboxError as exc:
@@ -122,8 +128,8 @@ class GenerationRun:
 
     @staticmethod
     def _prompt(ctx: ServerContext, builder: PromptBuilder,
-                req: ChatRequest) -> tuple[list[int], str | None, ReasoningConfig | None, str]:
-        prefix = ""
+                req: ChatRequest) -> tuple[list[int], str | None, ReasoningConfig | None, Constraint | None]:
+        constraint = None
         reasoning = None
         text: str | None = None
         if req.prompt is not None:
@@ -135,10 +141,11 @@ class GenerationRun:
                 if any(not (0 <= i < builder.tokenizer.vocab_size) for i in ids):
                     raise bad_field("prompt", "holds token ids outside the vocabulary")
         else:
-            text, reasoning, prefix = render_chat(ctx, builder, req)
+            text, reasoning = render_chat(ctx, builder, req)
             reject_oversized(ctx, builder.tokenizer, text)
             ids = builder.tokenizer.encode(text, add_special=False)
-        return ids, text, reasoning, prefix
+            constraint = output_constraint(ctx, builder, req, reasoning)
+        return ids, text, reasoning, constraint
 
     # -- running -------------------------------------------------------------------
 
@@ -153,12 +160,7 @@ class GenerationRun:
         n_lp = 0
         reasoning_tokens = 0
         forced = False
-        if self.prefix:
-            for ev in pipeline.push(self.prefix):
-                yield ev
         reason = "stop"
-        # A forced call (tool_choice required / named) is the whole answer: stop once it is complete.
-        forced_call = bool(self.prefix)
         try:
             async for new in engine.stream(self.gen):
                 for token in new:
@@ -167,12 +169,7 @@ class GenerationRun:
                     for ev in pipeline.push(detok.push(token)):
                         if isinstance(ev, ToolCallEnd):
                             self.tool_calls.append(ev)
-                        if forced_call and self.tool_calls and isinstance(ev, TextDelta):
-                            continue
                         yield ev
-                if forced_call and self.tool_calls:
-                    engine.cancel(self.gen, "stop")
-                    break
                 if self.req.params.logprobs is not None and len(seq.logprobs) > n_lp:
                     self.logprobs.extend(seq.logprobs[n_lp:])
                     n_lp = len(seq.logprobs)
@@ -197,14 +194,10 @@ class GenerationRun:
         for ev in pipeline.push(tail) if tail and not pipeline.done else []:
             if isinstance(ev, ToolCallEnd):
                 self.tool_calls.append(ev)
-            if forced_call and self.tool_calls and isinstance(ev, TextDelta):
-                continue
             yield ev
         for ev in pipeline.finish(reason):
             if isinstance(ev, ToolCallEnd):
                 self.tool_calls.append(ev)
-            if forced_call and self.tool_calls and isinstance(ev, TextDelta):
-                continue
             if isinstance(ev, Finish):
                 self._finish_usage(reasoning_tokens)
                 self._remember_calls(tok)
@@ -217,7 +210,7 @@ class GenerationRun:
         ids = list(self.gen.seq.output_ids)
         while ids and ids[-1] in tok.eos_ids:
             ids.pop()
-        self.ctx.replay.remember([c.call_id for c in self.tool_calls], self.prefix + tok.decode(ids))
+        self.ctx.replay.remember([c.call_id for c in self.tool_calls], tok.decode(ids))
 
     def _finish_usage(self, reasoning_tokens: int) -> None:
         gen = self.gen
@@ -284,9 +277,8 @@ def last_user_text(messages: list[dict]) -> str | None:
     return None
 
 
-def render_chat(ctx: ServerContext, builder: PromptBuilder, req: ChatRequest) -> tuple[str, ReasoningConfig | None,
-                                                                                      str]:
-    """Template render; returns (prompt text, reasoning config, forced prefix)."""
+def render_chat(ctx: ServerContext, builder: PromptBuilder, req: ChatRequest) -> tuple[str, ReasoningConfig | None]:
+    """Template render; returns (prompt text, reasoning config)."""
     template = builder.template
     tools = req.tools if req.tools and req.tool_choice != "none" else None
     # Template variables the server sets itself cannot come from chat_template_kwargs.
@@ -305,53 +297,40 @@ def render_chat(ctx: ServerContext, builder: PromptBuilder, req: ChatRequest) ->
         tail = text[-200:]
         opened = tail.rfind(THINK_OPEN) > tail.rfind(THINK_CLOSE)
         reasoning = ReasoningConfig(enabled=enable is not False, start_in_reasoning=opened)
-    prefix = tool_choice_prefix(template.source, req) if tools else ""
-    return text + prefix, reasoning, prefix
+    return text, reasoning
 
 
-def tool_choice_prefix(template_source: str, req: ChatRequest) -> str:
-    """Text appended to the prompt so the model must call a tool (`required` / a named one)."""
-    choice = req.tool_choice
-    if choice in ("auto", None, "none"):
-        return ""
-    xml = "<function=" in template_source
-    declared = [t.get("function") or t for t in req.tools or [] if isinstance(t, dict)]
-    if choice == "required" and len(declared) == 1 and isinstance(declared[0], dict):
-        # One declared tool: "required" means that tool, so the call opens with its name and arguments.
-        # (Several tools: only the call markup is opened; choosing the name needs constrained decoding.)
-        choice = {"name": declared[0].get("name")}
-    if isinstance(choice, dict):
-        name = choice.get("name") or (choice.get("function") or {}).get("name")
-        if not name:
-            raise bad_field("tool_choice", "names no function")
-        tool = next((t for t in declared if isinstance(t, dict) and t.get("name") == name), None)
-        if tool is None:
-            raise bad_field("tool_choice", f"names {show_value(name)}, which is not among the declared tools")
-        # Also open the arguments with the first required parameter, so only a call of that shape can follow.
-        first, is_string = first_parameter(tool.get("parameters"))
-        if xml:
-            return f"<tool_call>\n<function={name}>\n" + (f"<parameter={first}>\n" if first else "")
-        args = "{" + (json.dumps(first) + ": " + ('"' if is_string else "") if first else "")
-        return f'<tool_call>\n{{"name": {json.dumps(name)}, "arguments": {args}'
-    if choice == "required":
-        return "<tool_call>\n"
-    raise bad_field("tool_choice", "must be auto, none, required or a named function")
+def output_constraint(ctx: ServerContext, builder: PromptBuilder, req: ChatRequest,
+                      reasoning: ReasoningConfig | None) -> Constraint | None:
+    """The grammar this request's answer follows (forced calls, tools, JSON; chat/constrain.py), compiled for
+    the model's tokenizer, or None. A declaration or schema that cannot be compiled is a 400 naming it."""
+    def plan(loose: frozenset[str] = frozenset()) -> Any:
+        try:
+            return plan_output(builder.tokenizer, builder.template.source, req.tools, req.tool_choice,
+                               req.output_format, reasoning, req.parallel_tool_calls, loose)
+        except LuceboxError as exc:
+            raise bad_field("tool_choice", str(exc)) from None
 
-
-def first_parameter(schema: Any) -> tuple[str | None, bool]:
-    """The parameter a forced call opens with (first required, else first declared) and whether it is a string.
-
-    The schema is the client's JSON, any shape: `required` or `properties` of the wrong type count as absent.
-    """
-    if not isinstance(schema, dict):
-        return None, False
-    props = schema.get("properties")
-    props = props if isinstance(props, dict) else {}
-    required = schema.get("required")
-    names = [r for r in required if isinstance(r, str)] if isinstance(required, list) else []
-    first = next(iter(names or props), None)
-    prop = props.get(first) if first is not None else None
-    return first, isinstance(prop, dict) and prop.get("type") == "string"
+    first = plan()
+    if first is None:
+        return None
+    engine, _ = ctx.ready()
+    compiler = compiler_for(builder.tokenizer, engine.engine.model_config.vocab_size)
+    try:
+        return compiler.constraint(grammar_from_lark(first.lark), first.reason, first.kind)
+    except GrammarError as exc:
+        error = exc
+    bad = unreadable_tools(req.tools if req.tool_choice != "none" else None, lambda lark: compiler.check(
+        grammar_from_lark(lark)))
+    if bad:
+        log.warning("constrained decoding: the parameters of %s do not compile (%s); their calls take any JSON "
+                    "object", ", ".join(sorted(bad)), next(iter(bad.values()))[:200])
+        again = plan(frozenset(bad))
+        try:
+            return compiler.constraint(grammar_from_lark(again.lark), again.reason, again.kind)
+        except GrammarError as exc:
+            error = exc
+    raise bad_field(first.param, f"cannot be compiled into a grammar: {str(error)[:300]}") from None
 
 
 class ContextOverflow(HttpError):

@@ -30,6 +30,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from lucebox.engine.runtime.grammar import Constraint
 from lucebox.engine.runtime.llm_engine import LLMEngine, StepOutput
 from lucebox.engine.runtime.sampler import SamplingParams
 from lucebox.engine.runtime.sequence import Sequence
@@ -141,12 +142,13 @@ class AsyncEngine:
 
     def submit(
         self, prompt_ids: list[int], params: SamplingParams, disconnected: asyncio.Event | None = None,
-        cache_hint: object = None,
+        cache_hint: object = None, constraint: Constraint | None = None,
     ) -> Generation:
-        """Queue a request (raises LuceboxError for bad input, QueueFull past --max-queue)."""
+        """Queue a request (raises LuceboxError for bad input, QueueFull past --max-queue); `constraint`: the
+        grammar its output follows (engine/runtime/grammar.py)."""
         if self.num_waiting >= self.max_queue:
             raise QueueFull(f"the server has {self.num_waiting} requests waiting (limit {self.max_queue}); retry later")
-        seq = self.engine.new_sequence(prompt_ids, params)
+        seq = self.engine.new_sequence(prompt_ids, params, constraint)
         seq.cache_hint = cache_hint
         gen = Generation(seq, disconnected)
         with self._lock:

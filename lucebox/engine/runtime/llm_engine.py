@@ -18,6 +18,7 @@ import torch
 
 from lucebox.engine.kernels.kv_quant import KV_DTYPES
 from lucebox.engine.runtime.cuda_graphs import batch_buckets
+from lucebox.engine.runtime.grammar import Constraint, expand_masks, fill_masks
 from lucebox.engine.runtime.kv_cache import KVCache, resolve_kv_dtype
 from lucebox.engine.runtime.model_runner import ModelRunner, is_decode
 from lucebox.engine.runtime.pacing import PrefillPacer
@@ -380,14 +381,16 @@ class LLMEngine:
 
     # ----- requests ----------------------------------------------------------
 
-    def add(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+    def add(self, prompt_ids: list[int], params: SamplingParams, constraint: Constraint | None = None) -> Sequence:
         """Queue a request; raises LuceboxError if it can never fit."""
-        seq = self.new_sequence(prompt_ids, params)
+        seq = self.new_sequence(prompt_ids, params, constraint)
         self.scheduler.add(seq)
         return seq
 
-    def new_sequence(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
-        """Validate a request and make its Sequence, without queueing it (any thread)."""
+    def new_sequence(self, prompt_ids: list[int], params: SamplingParams,
+                     constraint: Constraint | None = None) -> Sequence:
+        """Validate a request and make its Sequence, without queueing it (any thread). `constraint`: the
+        grammar its output must follow (grammar.py), fresh for this sequence."""
         if not prompt_ids:
             raise LuceboxError("the prompt is empty")
         if len(prompt_ids) >= self.n_ctx:
@@ -404,7 +407,8 @@ class LLMEngine:
             params.validate()
         except ValueError as exc:
             raise LuceboxError(str(exc)) from None
-        return Sequence(list(prompt_ids), params, generator=make_generator(params.seed, self.device))
+        return Sequence(list(prompt_ids), params, generator=make_generator(params.seed, self.device),
+                        constraint=constraint)
 
     def abort(self, seq: Sequence, reason: str = "cancelled") -> None:
         """End `seq` now; with reason "stop" (the answer is complete) its prefix is still cached."""
@@ -466,22 +470,35 @@ class LLMEngine:
                 all_lps += lps
             return all_sampled, all_tokens, all_lps
         rows = [self._row(c) for c in sampled]
-        if argmax is not None and all(r.params.greedy and not r.params.has_penalties and r.params.logprobs is None
-                                      for r in rows):
+        # The grammars' masks are computed here, while the device still runs the forward pass.
+        allowed = self._allowed(sampled, logits)
+        if argmax is not None and allowed is None and all(
+                r.params.greedy and not r.params.has_penalties and r.params.logprobs is None for r in rows):
             return sampled, argmax.tolist(), [None] * len(rows)
         try:
-            tokens, logprobs = sample(logits, rows)
+            tokens, logprobs = sample(logits, rows, allowed)
         except Exception:  # noqa: BLE001 - the sampler raises before drawing: retry row by row
             tokens, logprobs = [], []
             for i, (c, row) in enumerate(zip(sampled, rows)):
                 try:
-                    t, lp = sample(logits[i: i + 1], [row])
+                    t, lp = sample(logits[i: i + 1], [row], None if allowed is None else allowed[i: i + 1])
                 except Exception as exc:  # noqa: BLE001 - this row's own failure
                     failed[c.seq] = exc
                     t, lp = [0], [None]
                 tokens += t
                 logprobs += lp
         return sampled, tokens, logprobs
+
+    def _allowed(self, sampled: list[Chunk], logits: torch.Tensor) -> torch.Tensor | None:
+        """[rows, vocab] bool: what each sampling row's grammar allows (every token for the rest); None when
+        no row has a grammar."""
+        held = [(i, c.seq.constraint) for i, c in enumerate(sampled) if c.seq.constraint is not None]
+        if not held:
+            return None
+        masks = expand_masks(fill_masks([g for _, g in held]), logits.shape[-1], logits.device)
+        allowed = torch.ones(logits.shape, dtype=torch.bool, device=logits.device)
+        allowed[[i for i, _ in held]] = masks
+        return allowed
 
     def _fail(self, seq: Sequence, exc: Exception) -> StepOutput:
         """End one sequence whose step raised, with finish reason "error"; the rest of the batch goes on."""
@@ -507,7 +524,7 @@ class LLMEngine:
 
             def chooser(chunk: Chunk, logits: torch.Tensor, best: list[int]) -> Callable[[int, list[int]], int]:
                 p = chunk.seq.params
-                if p.greedy and not p.has_penalties and p.logprobs is None:
+                if p.greedy and not p.has_penalties and p.logprobs is None and chunk.seq.constraint is None:
                     return lambda row, accepted: best[row]
                 return self._chooser(chunk.seq, logits.float(), step_lps.setdefault(chunk.seq.seq_id, []), failed)
 
@@ -549,7 +566,8 @@ class LLMEngine:
                 if not c.wants_logits:
                     continue
                 try:
-                    toks, lps = sample(result.chunk_logits(i), [self._row(c)])
+                    logits = result.chunk_logits(i)
+                    toks, lps = sample(logits, [self._row(c)], self._allowed([c], logits))
                 except Exception as exc:  # noqa: BLE001 - this sequence's own failure
                     outputs.append(self._fail(seq, exc))
                     continue
@@ -582,14 +600,19 @@ class LLMEngine:
         If sampling raises for this sequence, the error goes into `failed` and the choice is -1,
         which no draft token equals, so the walk ends there (the caller then fails the sequence)."""
         p = seq.params
-        if p.greedy and not p.has_penalties and p.logprobs is None:
+        grammar = seq.constraint
+        if p.greedy and not p.has_penalties and p.logprobs is None and grammar is None:
             best = logits.argmax(-1).tolist()
             return lambda row, accepted: best[row]
 
         def choose(row: int, accepted: list[int]) -> int:
             history = seq.output_ids + accepted if p.has_penalties else []
+            # A grammar's mask at this row: after the tokens this verification accepted before it.
+            allowed = None if grammar is None else expand_masks(grammar.mask_after(accepted)[None],
+                                                                logits.shape[-1], logits.device)
             try:
-                toks, lp = sample(logits[row: row + 1], [SampleRow(p, seq.prompt_ids, history, seq.generator)])
+                toks, lp = sample(logits[row: row + 1], [SampleRow(p, seq.prompt_ids, history, seq.generator)],
+                                  allowed)
             except Exception as exc:  # noqa: BLE001 - handed to the caller through `failed`
                 failed[seq] = exc
                 return -1

@@ -178,12 +178,18 @@ def draw(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     return out
 
 
-def sample(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list[TokenLogprobs | None]]:
-    """Pick the next token of each row; logprobs where the row asked for them."""
+def sample(logits: torch.Tensor, rows: list[SampleRow],
+           allowed: torch.Tensor | None = None) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """Pick the next token of each row; logprobs where the row asked for them.
+
+    `allowed` [rows, vocab] bool: the tokens each row may choose (a grammar's mask, engine/runtime/grammar.py),
+    applied after the raw log-probabilities are taken and before everything else."""
     logits = logits.float()
     logprobs: list[TokenLogprobs | None] = [None] * len(rows)
     want_lp = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     raw_lp = logits[want_lp].log_softmax(-1) if want_lp else None
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed, float("-inf"))
     if any(r.params.has_penalties for r in rows):
         logits = apply_penalties(logits.clone(), rows)
     tokens = logits.argmax(-1)

@@ -163,9 +163,8 @@ class Scheduler:
             if seq.is_finished:
                 continue
             if seq.forced_tokens:
-                seq.token_ids.extend(seq.forced_tokens)
-                seq.forced_tokens = []
-                reason = "length" if seq.num_output >= seq.params.max_tokens else None
+                reason = self._force(seq)
+                reason = reason or ("length" if seq.num_output >= seq.params.max_tokens else None)
             else:
                 seq.token_ids.append(tok)
                 if lp is not None:
@@ -183,11 +182,12 @@ class Scheduler:
         Forced tokens, if any, replace them (as in `postprocess`); the caller has set the computed
         length to end at the last token it knew before these."""
         if seq.forced_tokens:
-            seq.token_ids.extend(seq.forced_tokens)
-            seq.forced_tokens = []
-            if seq.num_output >= seq.params.max_tokens or len(seq.token_ids) >= self.max_model_len:
+            reason = self._force(seq)
+            if reason is None and (seq.num_output >= seq.params.max_tokens or len(seq.token_ids) >= self.max_model_len):
+                reason = "length"
+            if reason:
                 self.running.remove(seq)
-                self._finish(seq, "length")
+                self._finish(seq, reason)
                 return True
             return False
         for i, tok in enumerate(tokens):
@@ -202,11 +202,26 @@ class Scheduler:
         return False
 
     def stop_reason(self, seq: Sequence, tok: int) -> str | None:
+        """Why `seq` ends after appending `tok` (None: it goes on). A grammar's sequence takes the token
+        into its matcher here, and ends once the grammar is complete (or at an EOS it allowed, even with
+        ignore_eos: its mask allows EOS only where the answer is complete)."""
         p = seq.params
-        if not p.ignore_eos and tok in self.eos_ids or tok in p.stop_token_ids:
+        constrained = seq.constraint is not None
+        if (not p.ignore_eos or constrained) and tok in self.eos_ids or tok in p.stop_token_ids:
+            return "stop"
+        if constrained and seq.constraint.advance(tok):
             return "stop"
         if seq.num_output >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
             return "length"
+        return None
+
+    @staticmethod
+    def _force(seq: Sequence) -> str | None:
+        """Append the forced tokens in place of the sampled one; "stop" if they end a grammar's answer."""
+        forced, seq.forced_tokens = seq.forced_tokens, []
+        seq.token_ids.extend(forced)
+        if seq.constraint is not None and any(seq.constraint.advance(t) for t in forced):
+            return "stop"
         return None
 
     def _finish(self, seq: Sequence, reason: str) -> None:

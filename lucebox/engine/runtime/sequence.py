@@ -38,6 +38,7 @@ class Sequence:
     forced_tokens: list[int] = field(default_factory=list)
     # DFlash: how many positions of the drafter's KV (kept in the same blocks as the target's) are filled.
     draft_len: int = 0
+    constraint: Any = None  # lucebox.engine.runtime.grammar.Constraint: the grammar its tokens must follow
     cache_hint: Any = None  # lucebox.cache.manager.CacheHint: the prompt's cache keys, computed off the engine
     cache_attached: bool = False  # the prefix cache has set this sequence's starting blocks
     spec_steps: int = 0  # verification passes this sequence took part in
