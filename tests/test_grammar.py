@@ -96,3 +96,18 @@ def test_a_repeated_grammar_reuses_its_compiled_matcher_and_starts_fresh(plain):
     ids = plain.tokenizer.encode('{"n": 12}', add_special=False)
     assert second.matcher.try_consume_tokens(ids) == len(ids) and second.done
     assert not first.done  # the first one kept its own state
+
+
+def test_a_draft_is_fitted_to_the_grammar_and_the_state_is_left_alone(plain):
+    """fit_draft keeps the valid prefix, puts the forced tokens after it, and consumes nothing."""
+    tok = plain.tokenizer
+    tg = compiler_for(tok, plain.model_config.vocab_size)
+    c = tg.constraint(schema_grammar({"type": "object", "properties": {"name": {"type": "string"}},
+                                      "required": ["name"], "additionalProperties": False}), "test")
+    good = tok.encode('{"name": "Bo"}', add_special=False)
+    assert c.fit_draft(good) == good
+    bad = tok.encode('{"nope nope nope nope', add_special=False)
+    fitted = c.fit_draft(bad)
+    assert len(fitted) == len(bad) and fitted != bad
+    assert tok.decode(fitted).startswith('{"name')  # the grammar forces the only key there is
+    assert c.consumed == 0 and c.matcher.validate_tokens(good) == len(good)  # nothing was consumed

@@ -130,6 +130,19 @@ class Constraint:
         self.consumed += 1
         return self.matcher.is_stopped()
 
+    def fit_draft(self, draft: list[int]) -> list[int]:
+        """A speculative chain checked against the grammar: its valid prefix, then the tokens the grammar forces
+        from there (where it forces any), then the rest. A draft token the grammar refuses would be rejected
+        anyway; a forced one is the likeliest choice. Lossless either way: the verify decides."""
+        valid = self.matcher.validate_tokens(draft)
+        if valid == len(draft):
+            return draft
+        taken = self.matcher.try_consume_tokens(draft[:valid]) if valid else 0
+        forced = self.matcher.compute_ff_tokens()[: len(draft) - valid] if taken == valid else []
+        if taken:
+            self.matcher.rollback(taken)
+        return draft[:valid] + forced + draft[valid + len(forced):]
+
     def mask_into(self, out: np.ndarray) -> None:
         """Fill one int32 bitmask row (bit i of word i // 32: token i allowed)."""
         self.matcher.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)

@@ -147,6 +147,7 @@ class SpecDecoder:
         if not self.ddtree:
             drafts = logprobs.argmax(-1).tolist()
             for c, d in zip(chunks, drafts):
+                d = c.seq.constraint.fit_draft(d) if c.seq.constraint is not None else d
                 out.append(Chunk(c.seq, c.start, self.block, tokens=[c.seq.token_ids[c.start]] + d))
         else:
             k = 8 if self.budget > self.block - 1 else 1

@@ -218,7 +218,8 @@ class StaticSpec:
         if self.K == 1:
             drafts = out[:g].tolist()
             for ch, dr in zip(chunks, drafts):
-                toks = [ch.seq.token_ids[ch.start]] + dr[: n - 1]
+                dr = dr[: n - 1] if ch.seq.constraint is None else ch.seq.constraint.fit_draft(dr[: n - 1])
+                toks = [ch.seq.token_ids[ch.start]] + dr
                 parents = None if not spec.ddtree else list(range(-1, n - 1))
                 verify.append(Chunk(ch.seq, ch.start, n, tokens=toks, parents=parents))
         else:
