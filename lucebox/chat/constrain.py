@@ -16,9 +16,13 @@ Policy:
   call of it. With a JSON output format as well, the call wins (there is no text). One call, because a small
   model forced to call repeats the call until its token limit, and the call cut there is no call; parallel
   calls come with "auto", where the model opens each one itself.
-- "auto" with tools: any text, but each call the model opens is held to the format and the tools' schemas
-  (one call only when the request turns parallel calls off); with a JSON output format the answer is a
-  call or that JSON.
+- "auto" with tools: any text, but each call the model opens is held to the format: a declared tool's name
+  and a JSON object of arguments, closed before the answer may end (one call only when the request turns
+  parallel calls off); with a JSON output format the answer is a call or that JSON. Not to the tools'
+  schemas: llguidance writes an object's keys in the schema's order and offers its optional keys first, and
+  a small model steered off its own order (OpenCode's bash tool: `timeout`, `workdir` before the
+  `description` it meant to copy) looped inside a string until its token limit, where unconstrained it had
+  made the call. A forced call, which must validate, is held to the schema.
 - Objects of tool arguments and strict schemas take no keys they do not list (`closed`).
 - "none" or no tools: only the output format, if any.
 - A thinking model whose turn is open for reasoning (or may open `<think>`) reasons freely up to `</think>`.
@@ -175,6 +179,11 @@ def _xml_call(g: _Lark, tools: dict[str, dict]) -> str:
         required = [r for r in params.get("required") or [] if isinstance(r, str)] \
             if isinstance(params.get("required"), list) else []
         names = list(props) + [r for r in required if r not in props]
+        if not names:  # no declared parameters (or tool_choice auto): any parameters, raw text each
+            any_param = g.rule('"<parameter=" /[^>\\n]+/ ">\\n" ' + g.rule("/(?s:.*)\\n<\\/parameter>\\n/", "[lazy]"))
+            fn = json.dumps(f"\n<function={name}>\n", ensure_ascii=False)
+            alts.append(g.rule(f'{fn} {any_param}* "</function>\\n" {g.literal(CLOSE)}'))
+            continue
         parts = []
         for key in names:
             schema = props.get(key) if isinstance(props.get(key), dict) else {"type": "string"}
@@ -223,6 +232,8 @@ def plan_output(tokenizer: Any, template_source: str, tools: list[dict] | None, 
     body: str
     if declared:
         chosen = {forced: declared[forced]} if forced not in (None, "required") else declared
+        if forced is None:  # auto: a well-formed call of a declared tool, its arguments the model's own object
+            chosen = {name: {} for name in chosen}
         if fmt == "llama":  # no marker: a call is the whole answer (auto: the model is free, the parser reads it)
             call = _llama_call(g, chosen)
             if forced is None and output_format is None:
@@ -262,7 +273,7 @@ def _why(forced: str | None, tools: bool, output_format: dict | None) -> tuple[s
     if forced is not None:
         return "tool_choice_named", f"tool_choice {forced}: one call of it", "tools"
     if tools:
-        return ("tools_auto", "tools: text, or calls that follow the tools' schemas" + (f", else {fmt}" if fmt else ""),
-                fmt_param if fmt else "tools")
+        return ("tools_auto", "tools: text, or well-formed calls of the declared tools"
+                + (f", else {fmt}" if fmt else ""), fmt_param if fmt else "tools")
     return fmt or "json_object", f"{fmt}: the answer is JSON" + (" valid for the schema" if fmt == "json_schema"
                                                                   else " (an object)"), fmt_param
