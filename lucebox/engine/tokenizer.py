@@ -90,6 +90,7 @@ class Tokenizer:
         added = hf.get_added_tokens_decoder()
         self.special_ids = frozenset(i for i, tok in added.items() if tok.special)
         self.segments = SegmentCache.for_tokenizer(hf)  # None where piecewise encoding would differ
+        self.grammar: Any = None  # engine/runtime/grammar.py's TokenGrammar for this tokenizer, built on first use
         self.bos_id = _valid_id(bos_id, self.vocab_size)
         self.eos_id = _valid_id(eos_id, self.vocab_size)
         self.pad_id = _valid_id(pad_id, self.vocab_size)

@@ -81,17 +81,16 @@ class TokenGrammar:
         return Constraint(matcher, reason, self.words, kind)
 
 
-_compilers: dict[int, TokenGrammar] = {}
 _compilers_lock = threading.Lock()
 
 
 def compiler_for(tokenizer: Any, vocab_size: int) -> TokenGrammar:
-    """The TokenGrammar of `tokenizer` (built on first use, then shared; any thread)."""
-    key = id(tokenizer)
+    """The TokenGrammar of `tokenizer` (built on first use, then kept on the tokenizer, so it lives as long as the
+    tokenizer does; any thread)."""
     with _compilers_lock:
-        tg = _compilers.get(key)
+        tg = tokenizer.grammar
         if tg is None or tg.vocab_size != vocab_size:
-            tg = _compilers[key] = TokenGrammar(tokenizer, vocab_size)
+            tg = tokenizer.grammar = TokenGrammar(tokenizer, vocab_size)
         return tg
 
 
