@@ -370,7 +370,8 @@ def constrained_props(ctx: ServerContext) -> dict[str, Any]:
     return {"library": f"llguidance {grammar.llguidance.__version__}" if grammar.llguidance else None,
             "call_format": call_format(ctx.prompt.template.source) if ctx.prompt else None,
             "when": ["tool_choice required/any or a named tool: only calls", "tools with tool_choice auto: an "
-                     "opened call follows its schema", "response_format / text.format / output_config.format: "
+                     "opened call is well formed (a declared tool, an object of arguments)",
+                     "response_format / text.format / output_config.format: "
                      "JSON (a schema's, or any object)"],
             "generations": counts}
 
