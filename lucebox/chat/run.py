@@ -319,6 +319,7 @@ def output_constraint(ctx: ServerContext, builder: PromptBuilder, req: ChatReque
         compiler = compiler_for(builder.tokenizer, engine.engine.model_config.vocab_size)
     except GrammarError as exc:  # llguidance missing from a broken install
         raise bad_field(first.param, f"needs constrained decoding, which this server cannot do: {exc}") from None
+    log.debug("constrained decoding: %s", first.reason)
     try:
         return compiler.constraint(grammar_from_lark(first.lark), first.reason, first.kind)
     except GrammarError as exc:

@@ -116,10 +116,6 @@ class Constraint:
         """The grammar is complete: nothing but the end of the answer may follow."""
         return self.matcher.is_stopped()
 
-    @property
-    def error(self) -> str:
-        return self.matcher.get_error()
-
     def advance(self, token: int) -> bool:
         """Commit one token; True if the answer must end here (grammar complete, or a token it refused)."""
         if self.matcher.is_stopped():
