@@ -238,6 +238,9 @@ XML_CALL = ('<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</par
             '</parameter>\n<parameter=units>\nmetric\n</parameter>\n</function>\n</tool_call>')
 XML = "{{ '<function=' }}"  # a template source that writes XML calls
 THINKING = ReasoningConfig(enabled=True, start_in_reasoning=True)
+GEMMA = "{{ '<|tool_call>call:' }}"  # a template source that writes Gemma 4 calls
+GEMMA_CALL = '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,days:3,units:<|"|>metric<|"|>}<tool_call|>'
+FLAGS = {"type": "function", "function": {"name": "set_flags", "parameters": SCHEMAS["set_flags"]}}
 LLAMA = 'Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}.'
 
 
@@ -255,6 +258,18 @@ LLAMA = 'Respond in the format {"name": function name, "parameters": dictionary 
     (XML, "required", None, None, XML_CALL.replace("<parameter=units>\nmetric\n</parameter>\n", ""), False),
     (XML, "required", None, None, XML_CALL.replace("metric", "kelvin"), False),  # an enum, written raw
     (XML, "auto", None, None, "Checking.\n" + XML_CALL, True),
+    (GEMMA, "required", None, None, GEMMA_CALL, True),
+    (GEMMA, "required", None, None, GEMMA_CALL.replace("days:3", "days:99"), False),  # the schema's maximum
+    (GEMMA, "required", None, None, GEMMA_CALL.replace("metric", "kelvin"), False),  # an enum
+    (GEMMA, "required", None, None, GEMMA_CALL.replace(',units:<|"|>metric<|"|>', ""), False),  # a required key
+    (GEMMA, "required", None, None, '<|tool_call>call:get_weather{days:3,city:<|"|>Paris<|"|>,units:<|"|>metric'
+                                    '<|"|>}<tool_call|>', False),  # keys in the template's (sorted) order
+    (GEMMA, {"name": "set_flags"}, None, None, "<|tool_call>call:set_flags{dry_run:false,flags:[<|\"|>dark<|\"|>]}"
+                                               "<tool_call|>", True),
+    (GEMMA, {"name": "set_flags"}, None, None, "<|tool_call>call:set_flags{dry_run:false,flags:[]}<tool_call|>",
+     False),  # minItems
+    (GEMMA, "auto", None, None, "Checking. " + GEMMA_CALL + " Done.", True),
+    (GEMMA, "auto", None, None, "Checking. <|tool_call>call:nope{}", False),  # an opened call names a declared tool
     (LLAMA, "required", None, None, '{"name": "bash", "parameters": {"command": "ls"}}', True),
     (LLAMA, "required", None, None, '{"name": "bash", "arguments": {"command": "ls"}}', False),
     ("", "none", {"type": "json_object"}, None, '{"a": [1, {"b": null}]}', True),
@@ -267,7 +282,7 @@ LLAMA = 'Respond in the format {"name": function name, "parameters": dictionary 
 ])
 def test_each_format_takes_well_formed_calls_and_refuses_others(smollm2_tokenizer, source, choice, fmt, reasoning,
                                                                 text, ok):
-    plan = plan_output(smollm2_tokenizer, source, [WEATHER, BASH], choice, fmt, reasoning)
+    plan = plan_output(smollm2_tokenizer, source, [WEATHER, BASH, FLAGS], choice, fmt, reasoning)
     constraint = compiler_for(smollm2_tokenizer, smollm2_tokenizer.vocab_size).constraint(
         grammar_from_lark(plan.lark), plan.reason)
     ids = smollm2_tokenizer.encode(text, add_special=False)

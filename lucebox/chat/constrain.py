@@ -9,7 +9,10 @@ for llguidance (engine/runtime/grammar.py), written in the model's own call form
   as the whole answer (with tool_choice auto such a model is left free: a bare call has no marker to wait for);
 - XML (templates that write `<function=`: Qwen3.5/3.6, Qwen3-Coder):
   `<tool_call>\\n<function=N>\\n<parameter=P>\\nV\\n</parameter>\\n...</function>\\n</tool_call>`, required
-  parameters always present, non-string values valid JSON for their schema.
+  parameters always present, non-string values valid JSON for their schema;
+- Gemma (Gemma 4 `<|tool_call>call:N{k:v,…}<tool_call|>`, FunctionGemma `<start_function_call>…`): keys in sorted
+  order as the templates write them, strings between the template's delimiter (`<|"|>`, `<escape>`), numbers and
+  booleans bare, nested objects and arrays in the same syntax; the schema's types, enums and required keys held.
 
 Policy:
 - tool_choice "required" (Anthropic "any"): one call of a declared tool and nothing else; a named tool: one
@@ -52,11 +55,19 @@ class OutputPlan:
     param: str  # the request field a compile error names
 
 
+GEMMA_WRAPPERS = {"<|tool_call>": ("<tool_call|>", '<|"|>'),
+                  "<start_function_call>": ("<end_function_call>", "<escape>")}
+"""Gemma call wrappers: open marker -> (close marker, string delimiter): Gemma 4, FunctionGemma."""
+
+
 def call_format(template_source: str) -> str:
-    """"xml" for templates that write `<function=NAME>` calls, "llama" for Llama 3's bare JSON calls (`{"name": N,
-    "parameters": {...}}`), else "json" (`<tool_call>` JSON: the generic format, Qwen3, Hermes)."""
+    """"xml" for templates that write `<function=NAME>` calls, "gemma" for Gemma's `call:NAME{…}`, "llama" for
+    Llama 3's bare JSON calls (`{"name": N, "parameters": {...}}`), else "json" (`<tool_call>` JSON: the generic
+    format, Qwen3, Hermes)."""
     if "<function=" in template_source:
         return "xml"
+    if any(f"{marker}call:" in template_source for marker in GEMMA_WRAPPERS):
+        return "gemma"
     if '"parameters": ' in template_source and OPEN not in template_source:
         return "llama"
     return "json"
@@ -90,7 +101,11 @@ class _Lark:
         return self.rule("/(?s:.*)" + _regex_escape(text) + "/", "[lazy]")
 
     def build(self, start: str) -> str:
-        return "\n".join([f"start: {start}", "FREE: /(?s:.*)/", "WS: /[ \\t\\r\\n]+/", *self.rules]) + "\n"
+        return "\n".join([f"start: {start}", *_TERMINALS, *self.rules]) + "\n"
+
+
+_TERMINALS = ("FREE: /(?s:.*)/", "WS: /[ \\t\\r\\n]+/", "NUMBER: /-?(0|[1-9][0-9]*)(\\.[0-9]+)?([eE][+-]?[0-9]+)?/",
+              "KEY: /[A-Za-z_][A-Za-z0-9_.\\-]*/")
 
 
 def _regex_escape(text: str) -> str:
@@ -204,11 +219,110 @@ def _xml_call(g: _Lark, tools: dict[str, dict]) -> str:
     return g.rule(" | ".join(alts))
 
 
-def _length(schema: dict) -> str:
-    """A string schema's minLength / maxLength as a regex repetition (`*` when it sets none)."""
-    lo, hi = schema.get("minLength"), schema.get("maxLength")
+class _GemmaValues:
+    """Lark rules for values in Gemma's call syntax: `<|"|>text<|"|>`, bare numbers and booleans, `{k:v,…}` with
+    bare keys in sorted order (the templates' `dictsort`), `[v,…]`. Schemas are untrusted: past `_MAX_DEPTH`, and
+    for what this does not read (`$ref`, `not`, …), any value."""
+
+    def __init__(self, g: _Lark, quote: str) -> None:
+        self.g, self.quote = g, quote
+        self.q = g.literal(quote)
+        self._any: str | None = None
+
+    def text(self, schema: dict | None = None) -> str:
+        """A delimited string within its lengths (its pattern and format are not held)."""
+        length = _length(schema or {})
+        if self.q.startswith("<["):  # a special token: the text cannot contain it, so it ends the string
+            return self.g.rule(f"{self.q} /(?s:.{length})/ {self.q}")
+        return self.g.rule(f"{self.q} " + self.g.rule(f"/(?s:.{length})" + _regex_escape(self.quote) + "/", "[lazy]"))
+
+    def literal(self, value: Any) -> str:
+        """A constant as the template's format_argument writes it."""
+        if isinstance(value, str):
+            return f"{self.q} {json.dumps(value, ensure_ascii=False)} {self.q}"
+        if isinstance(value, bool):
+            return '"true"' if value else '"false"'
+        if isinstance(value, (int, float)):
+            return json.dumps(json.dumps(value))
+        return self.any()
+
+    def any(self) -> str:
+        """Any value (recursive)."""
+        if self._any is None:
+            self._any = name = f"r{self.g.n + 1}"
+            self.g.n += 1
+            member = f'KEY ":" {name}'
+            self.g.rules.append(f'{name}: {self.text()} | NUMBER | "true" | "false" | "[" ({name} ("," {name})*)? "]"'
+                                f' | "{{" ({member} ("," {member})*)? "}}"')
+        return self._any
+
+    def value(self, schema: Any, depth: int = 0) -> str:
+        if not isinstance(schema, dict) or depth > _MAX_DEPTH:
+            return self.any()
+        choices = schema.get("enum") if isinstance(schema.get("enum"), list) else \
+            [schema["const"]] if "const" in schema else None
+        if choices:
+            return self.g.rule(" | ".join(self.literal(c) for c in choices))
+        alts = schema.get("anyOf") or schema.get("oneOf")
+        if isinstance(alts, list) and alts:
+            return self.g.rule(" | ".join(self.value(a, depth + 1) for a in alts))
+        kind = schema.get("type")
+        if isinstance(kind, list) and kind:
+            return self.g.rule(" | ".join(self.value({**schema, "type": k}, depth + 1) for k in kind))
+        if kind == "string":
+            return self.text(schema)
+        if kind in ("integer", "number", "boolean"):  # written bare, as JSON writes them: JSON's rule holds ranges
+            return _json_rule(g=self.g, schema={k: v for k, v in schema.items() if k not in ("description", "title")},
+                              compact=True)
+        if kind == "array":
+            item = self.value(schema.get("items"), depth + 1)
+            lo, hi = _bounds(schema, "minItems", "maxItems")
+            if hi == 0:
+                return self.g.rule('"[" "]"')
+            more = f'("," {item}){{{max(lo - 1, 0)},{"" if hi is None else hi - 1}}}'
+            return self.g.rule(f'"[" {item} {more} "]"' if lo else f'"[" ({item} {more})? "]"')
+        if kind == "object" or "properties" in schema:
+            return self.members(schema, depth)
+        return self.any()
+
+    def members(self, schema: dict, depth: int = 0) -> str:
+        """`{k:v,…}`: the declared keys in sorted order, the required ones always there; an object that declares
+        none takes any members."""
+        props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+        if not props:
+            member = f'KEY ":" {self.any()}'
+            return self.g.rule(f'"{{" ({member} ("," {member})*)? "}}"')
+        required = set(r for r in schema.get("required") or [] if isinstance(r, str)) \
+            if isinstance(schema.get("required"), list) else set()
+        # after(i, first): the members from key i on, `first` when none has been written yet (no comma before).
+        rest_first, rest_more = '""', '""'
+        for key in sorted(props, reverse=True):
+            item = f'{json.dumps(key + ":", ensure_ascii=False)} {self.value(props[key], depth + 1)}'
+            more = self.g.rule(f'"," {item} {rest_more}' + ("" if key in required else f" | {rest_more}"))
+            first = self.g.rule(f"{item} {rest_more}" + ("" if key in required else f" | {rest_first}"))
+            rest_first, rest_more = first, more
+        return self.g.rule(f'"{{" {rest_first} "}}"')
+
+
+def _gemma_call(g: _Lark, tools: dict[str, dict], quote: str, close: str) -> str:
+    """After the open marker: `call:N{k:v,…}` and the close marker, for any of `tools`."""
+    values = _GemmaValues(g, quote)
+    alts = [g.rule(f'{json.dumps("call:" + name, ensure_ascii=False)} {values.members(_object_schema(params))}')
+            for name, params in tools.items()]
+    return g.rule(f"({' | '.join(alts)}) {g.literal(close)}")
+
+
+def _bounds(schema: dict, low: str, high: str) -> tuple[int, int | None]:
+    """A schema's (minLength, maxLength)-like pair, sane or left out (untrusted: at most 100,000)."""
+    lo, hi = schema.get(low), schema.get(high)
     lo = lo if isinstance(lo, int) and not isinstance(lo, bool) and 0 <= lo <= 100_000 else 0
     hi = hi if isinstance(hi, int) and not isinstance(hi, bool) and lo <= hi <= 100_000 else None
+    return lo, hi
+
+
+def _length(schema: dict) -> str:
+    """A string schema's minLength / maxLength as a regex repetition (`*` when it sets none)."""
+    lo, hi = _bounds(schema, "minLength", "maxLength")
     return "*" if not lo and hi is None else f"{{{lo},{'' if hi is None else hi}}}"
 
 
@@ -240,11 +354,11 @@ def plan_output(tokenizer: Any, template_source: str, tools: list[dict] | None, 
                 return None
             body = call if forced is not None else g.rule(f"{call} | {_format_rule(g, output_format)}")
         else:
-            rest = (_xml_call if fmt == "xml" else _json_call)(g, chosen)  # a call, after its open marker
+            opener, rest = _call_rule(g, fmt, template_source, chosen)  # a call's open marker, and the rest of it
             if forced is None and output_format is None:  # auto: free text; each opened call follows the format
-                body = g.rule(f"({g.lazy_until(OPEN)} {rest}){'*' if parallel else '?'} FREE")
+                body = g.rule(f"({g.lazy_until(opener)} {rest}){'*' if parallel else '?'} FREE")
             else:  # a forced answer is one call (see the module docstring), or a call or the JSON format
-                call = g.rule(f"{g.literal(OPEN)} {rest}")
+                call = g.rule(f"{g.literal(opener)} {rest}")
                 body = call if forced is not None else g.rule(f"{call} | {_format_rule(g, output_format)}")
     else:
         body = _format_rule(g, output_format)
@@ -255,6 +369,15 @@ def plan_output(tokenizer: Any, template_source: str, tools: list[dict] | None, 
                  else f"({g.literal(reasoning.open_tag)} {think} WS?)? {body}")
     kind, reason, param = _why(forced, bool(declared), output_format)
     return OutputPlan(g.build(start), kind, reason, param)
+
+
+def _call_rule(g: _Lark, fmt: str, template_source: str, tools: dict[str, dict]) -> tuple[str, str]:
+    """(the open marker of a call in format `fmt`, the rule for the rest of the call)."""
+    if fmt == "gemma":
+        opener = next(m for m in GEMMA_WRAPPERS if f"{m}call:" in template_source)
+        close, quote = GEMMA_WRAPPERS[opener]
+        return opener, _gemma_call(g, tools, quote, close)
+    return OPEN, (_xml_call if fmt == "xml" else _json_call)(g, tools)
 
 
 def _format_rule(g: _Lark, output_format: dict) -> str:
