@@ -386,18 +386,20 @@ class Level:
 
 
 async def run_level(name: str, base: str, dialect: Dialect, model: str, prompts: list[str], concurrency: int,
-                    max_tokens: int, headers: dict[str, str], progress: Progress) -> Level:
-    """All `prompts`, at most `concurrency` in flight; wall time from the first send to the last answer."""
+                    max_tokens: int | list[int], headers: dict[str, str], progress: Progress) -> Level:
+    """All `prompts`, at most `concurrency` in flight; wall time from the first send to the last answer.
+    `max_tokens`: one for all, or one per prompt."""
     sem = asyncio.Semaphore(concurrency)
+    limits = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
 
-    async def one(content: str) -> RequestResult:
+    async def one(content: str, limit: int) -> RequestResult:
         async with sem:
-            r = await one_request(base, dialect, model, content, max_tokens, headers)
+            r = await one_request(base, dialect, model, content, limit, headers)
         progress.advance()
         return r
 
     t = time.perf_counter()
-    results = await asyncio.gather(*(one(p) for p in prompts))
+    results = await asyncio.gather(*(one(p, n) for p, n in zip(prompts, limits, strict=True)))
     level = Level(name, concurrency, list(results), time.perf_counter() - t)
     errors = [r.error for r in results if r.error is not None]
     if errors and not level.ok:
@@ -592,12 +594,14 @@ def main(args: argparse.Namespace) -> int:
     print_table(title, ["case", "requests", "errors", "out tok/req", "tok/s", "speedup", "TTFT p50 ms",
                         "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms"], rows)
     if payload["constrained"]:
-        print_table("the same prompts, every answer a JSON object (a grammar masks each token); "
-                    "speedup: against the free level",
-                    ["case", "requests", "errors", "out tok/req", "tok/s", "vs free", "TTFT p50 ms", "ITL p50 ms",
-                     "ITL p99 ms"],
+        print_table("the same prompts, every answer a JSON object (a grammar masks each token), then free with "
+                    "each answer's length; vs free: tok/s and decode tok/s (1 / TPOT) against that free run",
+                    ["case", "requests", "errors", "out tok/req", "tok/s", "vs free", "TPOT ms", "decode vs free",
+                     "TTFT p50 ms", "ITL p50 ms", "ITL p99 ms"],
                     [[s["name"], s["requests"], s["errors"], s["output_tokens_mean"], s["tok_s"], s["speedup"],
-                      s["ttft_ms"]["p50"], s["itl_ms"]["p50"], s["itl_ms"]["p99"]] for s in payload["constrained"]])
+                      s["tpot_ms"]["mean"], _ratio(base["tpot_ms"]["mean"], s["tpot_ms"]["mean"]),
+                      s["ttft_ms"]["p50"], s["itl_ms"]["p50"], s["itl_ms"]["p99"]]
+                     for base, s in _pairs(payload["constrained"])])
     if (lp := payload["long_prompt"]) is not None:
         s, d = lp["steady_itl_ms"], lp["during_itl_ms"]
         print_table(f"{lp['streams']} streams while one {lp['long_prompt_tokens']}-token prompt prefills "
@@ -609,6 +613,15 @@ def main(args: argparse.Namespace) -> int:
         print(f"ITL p99 during / steady p50: {ratio:.2f}x" if ratio else "ITL p99 during / steady p50: -")
     write_json(args.json, payload)
     return 0
+
+
+def _pairs(held: list[dict[str, Any]]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """(its free run, the row) for each row of the constrained table: free rows first, each before its JSON row."""
+    return [(held[i - i % 2], s) for i, s in enumerate(held)]
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
 
 
 def _row(s: dict[str, Any]) -> list[Any]:
@@ -644,17 +657,27 @@ async def _bench(args: argparse.Namespace, base: str, server: ServerProcess | No
                                  progress)
     progress.close()
     held: list[dict[str, Any]] = []
-    if args.constrained:  # the same prompts again, every answer held to a JSON grammar
+    if args.constrained:
+        # The same prompts again, every answer held to a JSON grammar; then free once more with each prompt's
+        # max_tokens set to the length its JSON answer had: a JSON answer ends when its object closes, and answers
+        # of staggered lengths admit new requests (prefill beside decode) where equal ones end together, so the
+        # baseline must do the same work in the same pattern.
         grammar = constrained(dialect, args.dialect)
-        progress = Progress("bench serve --constrained", total=sum(sizes), unit="requests")
+        progress = Progress("bench serve --constrained", total=2 * sum(sizes), unit="requests")
         offset = 0
-        for c, n, free in zip(levels, sizes, runs):
-            # The free level met these prompts cold: so must this one (Lucebox's admin route; a peer may lack it).
+        for c, n in zip(levels, sizes):
+            batch = prompts[offset:offset + n]
+            # Both met these prompts cold, as the free level did (Lucebox's admin route; a peer may lack it).
             with contextlib.suppress(HttpClientError):
                 await post_json(base + "/cache/clear", {}, headers=headers)
-            level = await run_level(f"concurrency {c}, JSON", base, grammar, model_id, prompts[offset:offset + n], c,
-                                    args.gen_len, headers, progress)
-            held.append({**level.summary(free.tok_s), "vs": free.name})
+            level = await run_level(f"concurrency {c}, JSON", base, grammar, model_id, batch, c, args.gen_len,
+                                    headers, progress)
+            with contextlib.suppress(HttpClientError):
+                await post_json(base + "/cache/clear", {}, headers=headers)
+            lengths = [max(r.output_tokens or args.gen_len, 1) for r in level.results]
+            free = await run_level(f"concurrency {c}, free, same lengths", base, dialect, model_id, batch, c,
+                                   lengths, headers, progress)
+            held += [{**free.summary(free.tok_s), "vs": free.name}, {**level.summary(free.tok_s), "vs": free.name}]
             offset += n
         progress.close()
     long_case = None
