@@ -98,6 +98,31 @@ def test_a_repeated_grammar_reuses_its_compiled_matcher_and_starts_fresh(plain):
     assert not first.done  # the first one kept its own state
 
 
+def test_a_finished_sequence_hands_its_matcher_back_reset(plain):
+    """A finished (or aborted) sequence's matcher becomes the copy source of its grammar, back at the start: the
+    next sequence copies its built lexer states and gets the same tokens as from a fresh compile."""
+    tg = compiler_for(plain.tokenizer, plain.model_config.vocab_size)
+    grammar = schema_grammar(SCHEMA)
+    prompt = chat_prompt(plain.tokenizer, QUESTIONS[0])
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    tg._compiled.pop(grammar, None)
+    first = plain.add(prompt, params, tg.constraint(grammar, "test"))
+    used = first.constraint.matcher
+    while not first.is_finished:
+        plain.step()
+    assert first.finish_reason == "stop" and tg._compiled[grammar] is used and first.constraint.matcher is None
+    second = plain.add(prompt, params, tg.constraint(grammar, "test"))
+    assert second.constraint.matcher is not used and second.constraint.consumed == 0
+    while not second.is_finished:
+        plain.step()
+    assert second.output_ids == first.output_ids
+    third = plain.add(prompt, params, tg.constraint(grammar, "test"))
+    kept = third.constraint.matcher
+    plain.step()
+    plain.abort(third)  # a client that left: its matcher, part-way through, comes back reset as well
+    assert tg._compiled[grammar] is kept and kept.validate_tokens(second.output_ids) == len(second.output_ids)
+
+
 def test_a_draft_is_fitted_to_the_grammar_and_the_state_is_left_alone(plain):
     """fit_draft keeps the valid prefix, puts the forced tokens after it, and consumes nothing."""
     tok = plain.tokenizer

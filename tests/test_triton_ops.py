@@ -245,3 +245,28 @@ def test_fused_decoder_matches_eager(arch, tiny_gguf, monkeypatch, kernels_on_cp
     for ours, ref in zip(f_captured, captured):
         assert_rel(ours, ref, "captured layer output")
     assert f_tokens == tokens
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows, vocab", [(1, 49152), (3, 5000), (16, 4099)])
+def test_masked_argmax(dtype, rows, vocab):
+    """The greedy token under a grammar's bitmask equals the unpack-mask-argmax reference, ties included (the first
+    of equal logits wins, as torch.argmax breaks them: bf16 logits tie often), for vocabularies not a multiple of
+    32 or of the block."""
+    logits = (torch.randn(rows, vocab, device=DEVICE) * 3).round().to(dtype)  # few distinct values: many ties
+    words = (vocab + 31) // 32
+    bitmasks = torch.randint(-2**31, 2**31 - 1, (rows, words), dtype=torch.int32, device=DEVICE)
+    bitmasks[0] = 0
+    bit = 1 << ((vocab - 1) % 32)
+    bitmasks[0, -1] = bit - (1 << 32) if bit >= 1 << 31 else bit  # only the last token allowed (int32 bits)
+    if rows > 2:
+        bitmasks[1] = -1  # every token: the plain argmax
+        bitmasks[2, : words // 2] = 0  # the first half refused
+    out = ops.masked_argmax(logits, bitmasks)
+    ref = ops.masked_argmax_ref(logits, bitmasks)
+    assert out.tolist() == ref.tolist()
+    assert out[0] == vocab - 1
+    if rows > 2:
+        assert out[1] == logits[1].float().argmax()
+    with pytest.raises(ValueError, match="do not cover"):
+        ops.masked_argmax(logits, bitmasks[:, :-1])

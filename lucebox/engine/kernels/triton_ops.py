@@ -13,6 +13,9 @@ each of those groups is one kernel:
   per-head q/k RMSNorm (Qwen3, Gemma 3) and rotate-half RoPE, writes K and V
   into the paged cache.
 - `act_mul(gate_up, act)`: SiLU / tanh-GELU of the gate times up.
+- `masked_argmax(logits, bitmasks)`: the greedy token of each row among those
+  its grammar's bitmask allows (constrained decoding: one kernel instead of
+  unpacking the bits, masking and an argmax, about ten).
 
 Every kernel computes in fp32 and rounds to the activation dtype where the
 reference stores a tensor, so it matches the reference to the last bit or
@@ -109,6 +112,18 @@ def act_mul_ref(gate_up: torch.Tensor, act: str) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     gate = F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")
     return gate * up
+
+
+def masked_argmax_ref(logits: torch.Tensor, bitmasks: torch.Tensor) -> torch.Tensor:
+    """[rows] int64: the first index of each row's largest logit among the tokens whose bit is set in `bitmasks`
+    [rows, ceil(vocab / 32)] int32 (bit j of word i: token 32 * i + j), as torch.argmax breaks ties."""
+    return logits.float().masked_fill(~unpack_bitmask(bitmasks, logits.shape[-1]), float("-inf")).argmax(-1)
+
+
+def unpack_bitmask(bitmasks: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Bitmasks [rows, words] int32 -> bool [rows, vocab] (True: bit set) on their device."""
+    bits = (bitmasks[:, :, None] >> torch.arange(32, dtype=torch.int32, device=bitmasks.device)) & 1
+    return bits.view(len(bitmasks), -1)[:, :vocab].bool()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -220,6 +235,25 @@ if triton is not None:
             a = g * tl.sigmoid(g)
         a = a.to(OUT.dtype.element_ty).to(tl.float32)  # the reference stores act(gate) before the product
         tl.store(OUT + row * stride_out + cols, (a * u).to(OUT.dtype.element_ty), mask=mask)
+
+
+    @triton.jit(do_not_specialize=["V", "W"])
+    def _masked_argmax_kernel(logits_ptr, bits_ptr, out_ptr, V, W, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        best_v = -float("inf")
+        best_i = 0
+        for start in range(0, V, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            inside = offs < V
+            x = tl.load(logits_ptr + row * V + offs, mask=inside, other=-float("inf")).to(tl.float32)
+            word = tl.load(bits_ptr + row * W + offs // 32, mask=inside, other=0)
+            x = tl.where(((word >> (offs % 32)) & 1) != 0, x, -float("inf"))
+            m = tl.max(x, 0)
+            i = tl.argmax(x, 0)  # the first index of the block's largest
+            better = m > best_v  # strictly: an equal value later in the row does not win
+            best_i = tl.where(better, start + i, best_i)
+            best_v = tl.where(better, m, best_v)
+        tl.store(out_ptr + row, best_i.to(tl.int64))
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -336,3 +370,16 @@ def act_mul(gate_up: torch.Tensor, act: str) -> torch.Tensor:
     _act_mul_kernel[(gu.shape[0], triton.cdiv(n, block))](gu, out, gu.stride(0), out.stride(0), n,
                                                           GELU=act == "gelu_tanh", BLOCK=block, num_warps=4)
     return out.view(*gate_up.shape[:-1], n)
+
+
+def masked_argmax(logits: torch.Tensor, bitmasks: torch.Tensor) -> torch.Tensor:
+    """`masked_argmax_ref` in one kernel: logits [rows, vocab] (contiguous rows, any float dtype), bitmasks
+    [rows, words] int32 on the same device -> [rows] int64."""
+    if bitmasks.shape != (logits.shape[0], (logits.shape[1] + 31) // 32) or bitmasks.dtype != torch.int32:
+        raise ValueError(f"masked_argmax: bitmasks {tuple(bitmasks.shape)} {bitmasks.dtype} do not cover logits "
+                         f"{tuple(logits.shape)} (int32, one bit per token)")
+    logits = logits.contiguous()
+    out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+    _masked_argmax_kernel[(logits.shape[0],)](logits, bitmasks.contiguous(), out, logits.shape[1],
+                                              bitmasks.shape[1], BLOCK=2048, num_warps=8)
+    return out

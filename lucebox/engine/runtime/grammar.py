@@ -26,6 +26,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from lucebox.engine.kernels import triton_ops as ops
+
 try:
     import llguidance
     from llguidance.numpy import fill_next_token_bitmask_par
@@ -39,9 +41,6 @@ COMPILED_KEPT = 64
 
 class GrammarError(ValueError):
     """The grammar (or the JSON schema it came from) cannot be compiled: the request is a 400."""
-
-
-_BITS = None  # torch.arange(32) per device, made on first use
 
 
 class TokenGrammar:
@@ -70,7 +69,7 @@ class TokenGrammar:
             pristine = self._compiled.get(grammar)
             if pristine is not None:
                 self._compiled.move_to_end(grammar)
-                return Constraint(pristine.deep_copy(), reason, self.words, kind)
+                return Constraint(pristine.deep_copy(), reason, self.words, kind, (self, grammar))
         matcher = llguidance.LLMatcher(self.llt, grammar, log_level=0)
         if matcher.is_error():
             raise GrammarError(matcher.get_error())
@@ -78,7 +77,18 @@ class TokenGrammar:
             self._compiled[grammar] = matcher.deep_copy()
             while len(self._compiled) > COMPILED_KEPT:
                 self._compiled.popitem(last=False)
-        return Constraint(matcher, reason, self.words, kind)
+        return Constraint(matcher, reason, self.words, kind, (self, grammar))
+
+    def recycle(self, grammar: str, matcher: Any) -> None:
+        """Keep a finished sequence's matcher, reset to the start, as the copy source of its grammar (while the
+        grammar is still kept): the lexer states it built on the way are copied with it, and a fresh matcher
+        builds each again per sequence (measured on SmolLM2, a bounded-string schema: 0.22 ms a token's mask
+        from a fresh copy, 0.03 ms from a recycled one)."""
+        if matcher.is_error() or not matcher.reset():
+            return
+        with self._lock:
+            if grammar in self._compiled:
+                self._compiled[grammar] = matcher
 
 
 _compilers_lock = threading.Lock()
@@ -104,12 +114,22 @@ def grammar_from_lark(lark: str) -> str:
 class Constraint:
     """One sequence's grammar state: what its next token may be, advanced by every committed token."""
 
-    def __init__(self, matcher: Any, reason: str, words: int, kind: str = "grammar") -> None:
+    def __init__(self, matcher: Any, reason: str, words: int, kind: str = "grammar",
+                 home: tuple[TokenGrammar, str] | None = None) -> None:
         self.matcher = matcher
         self.reason = reason  # why the request is constrained, in words (a debug log line)
         self.kind = kind  # a short label of why (the request log line, /metrics, /props)
         self.words = words
         self.consumed = 0  # tokens the matcher has taken
+        self._home = home  # the compiler and grammar text it came from (`release`)
+
+    def release(self) -> None:
+        """The sequence is finished: its matcher goes back to its compiler (`TokenGrammar.recycle`); this
+        constraint is unusable after."""
+        if self._home is not None and self.matcher is not None:
+            compiler, grammar = self._home
+            compiler.recycle(grammar, self.matcher)
+        self.matcher = None
 
     @property
     def done(self) -> bool:
@@ -170,9 +190,12 @@ def fill_masks(constraints: list[Constraint]) -> np.ndarray:
 
 def expand_masks(bitmasks: np.ndarray, vocab: int, device: torch.device) -> torch.Tensor:
     """Bitmasks [n, words] -> bool [n, vocab] (True: allowed) on `device`, unpacked there."""
-    global _BITS
-    words = torch.from_numpy(bitmasks).to(device, non_blocking=True)
-    if _BITS is None or _BITS.device != device:
-        _BITS = torch.arange(32, dtype=torch.int32, device=device)
-    bits = (words[:, :, None] >> _BITS) & 1
-    return bits.view(len(bitmasks), -1)[:, :vocab].bool()
+    return ops.unpack_bitmask(torch.from_numpy(bitmasks).to(device, non_blocking=True), vocab)
+
+
+def greedy_tokens(logits: torch.Tensor, bitmasks: np.ndarray) -> list[int]:
+    """The greedy token of each row of `logits` among those its bitmask allows (all bits set: a free row); on
+    CUDA one kernel, which a constrained batch-1 step needs to cost little more than a free one."""
+    words = torch.from_numpy(bitmasks).to(logits.device, non_blocking=True)
+    pick = ops.masked_argmax if ops.use_kernels(logits) else ops.masked_argmax_ref
+    return pick(logits, words).tolist()

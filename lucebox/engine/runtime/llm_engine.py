@@ -14,11 +14,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from lucebox.engine.kernels.kv_quant import KV_DTYPES
 from lucebox.engine.runtime.cuda_graphs import batch_buckets
-from lucebox.engine.runtime.grammar import Constraint, expand_masks, fill_masks
+from lucebox.engine.runtime.grammar import Constraint, expand_masks, fill_masks, greedy_tokens
 from lucebox.engine.runtime.kv_cache import KVCache, resolve_kv_dtype
 from lucebox.engine.runtime.model_runner import ModelRunner, is_decode
 from lucebox.engine.runtime.pacing import PrefillPacer
@@ -313,6 +314,10 @@ class LLMEngine:
             bar = Progress("warm-up", total + len(lengths), "steps", quiet=not progress)
             self._tune_quant_kernels()  # first: a graph keeps the launch config it was captured with
             self._compile_attention(limit)
+            vocab = self.model_config.vocab_size  # the constrained greedy kernel, for eager (fp32) and graph logits
+            for dtype in {torch.float32, self.loaded.dtype}:
+                greedy_tokens(torch.zeros(1, vocab, device=self.device, dtype=dtype),
+                              np.full((1, (vocab + 31) // 32), -1, np.int32))
             captured = graphs.capture_all(bar.advance) if graphs else 0
             captured_spec = static.capture_all(bar.advance) if static else 0
             steps = warmup.warm_requests(self, lengths, bar.advance)
@@ -471,10 +476,13 @@ class LLMEngine:
             return all_sampled, all_tokens, all_lps
         rows = [self._row(c) for c in sampled]
         # The grammars' masks are computed here, while the device still runs the forward pass.
-        allowed = self._allowed(sampled, logits)
-        if argmax is not None and allowed is None and all(
-                r.params.greedy and not r.params.has_penalties and r.params.logprobs is None for r in rows):
-            return sampled, argmax.tolist(), [None] * len(rows)
+        bitmasks = self._bitmasks(sampled)
+        if all(r.params.greedy and not r.params.has_penalties and r.params.logprobs is None for r in rows):
+            if bitmasks is None and argmax is not None:
+                return sampled, argmax.tolist(), [None] * len(rows)
+            if bitmasks is not None:
+                return sampled, greedy_tokens(logits, bitmasks), [None] * len(rows)
+        allowed = None if bitmasks is None else expand_masks(bitmasks, logits.shape[-1], logits.device)
         try:
             tokens, logprobs = sample(logits, rows, allowed)
         except Exception:  # noqa: BLE001 - the sampler raises before drawing: retry row by row
@@ -489,16 +497,21 @@ class LLMEngine:
                 logprobs += lp
         return sampled, tokens, logprobs
 
-    def _allowed(self, sampled: list[Chunk], logits: torch.Tensor) -> torch.Tensor | None:
-        """[rows, vocab] bool: what each sampling row's grammar allows (every token for the rest); None when
-        no row has a grammar."""
+    @staticmethod
+    def _bitmasks(sampled: list[Chunk]) -> np.ndarray | None:
+        """[rows, words] int32: what each sampling row's grammar allows as a bitmask (every bit set for a row
+        without one); None when no row has a grammar."""
         held = [(i, c.seq.constraint) for i, c in enumerate(sampled) if c.seq.constraint is not None]
         if not held:
             return None
-        masks = expand_masks(fill_masks([g for _, g in held]), logits.shape[-1], logits.device)
-        allowed = torch.ones(logits.shape, dtype=torch.bool, device=logits.device)
-        allowed[[i for i, _ in held]] = masks
-        return allowed
+        out = np.full((len(sampled), held[0][1].words), -1, dtype=np.int32)
+        out[[i for i, _ in held]] = fill_masks([g for _, g in held])
+        return out
+
+    def _allowed(self, sampled: list[Chunk], logits: torch.Tensor) -> torch.Tensor | None:
+        """[rows, vocab] bool: `_bitmasks` unpacked on the logits' device."""
+        bitmasks = self._bitmasks(sampled)
+        return None if bitmasks is None else expand_masks(bitmasks, logits.shape[-1], logits.device)
 
     def _fail(self, seq: Sequence, exc: Exception) -> StepOutput:
         """End one sequence whose step raised, with finish reason "error"; the rest of the batch goes on."""

@@ -232,5 +232,7 @@ class Scheduler:
         if seq.block_table:
             self.kv.pool.decref(seq.block_table)
             seq.block_table = []
+        if seq.constraint is not None:  # its matcher seeds the next sequences of the same grammar
+            seq.constraint.release()
         if self.on_release is not None:
             self.on_release(seq)
