@@ -300,6 +300,10 @@ def enable_pflash(engine: Any, cfg: ServerConfig) -> Any:
         path = resolve_model(cfg.prefill_drafter)
         if path.resolve() != Path(target.path).resolve():
             scorer = load_model(path, device=target.device, dtype=target.dtype, quiet=True)
+    if scorer.config.is_hybrid:  # the scorer runs DecoderBlock's attention methods, which hybrid layers lack
+        log.warning("PFlash is off: its scorer %s is a hybrid (recurrent) model; --prefill-drafter names a dense "
+                    "one", "(the model itself)" if scorer is target else scorer.path)
+        return None
     threshold = cfg.prefill_threshold if cfg.prefill_threshold is not None else DEFAULT_THRESHOLD
     if cfg.prefill_compression == "auto" and threshold >= engine.n_ctx:
         log.info("PFlash auto compresses prompts over %d tokens, more than this model's context (%d): it will not "

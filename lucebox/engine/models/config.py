@@ -6,8 +6,11 @@ from dataclasses import dataclass, field
 
 # Architectures the engine runs, by the name llama.cpp's GGUF files use.
 # Llama, SmolLM2 and Mistral share `llama`; Qwen2 adds QKV bias; Qwen3 adds
-# q/k norm; Gemma 3 adds sliding-window layers, sandwich norms and GeGLU.
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
+# q/k norm; Gemma 3 adds sliding-window layers, sandwich norms and GeGLU; Qwen3-MoE is Qwen3 with
+# mixture-of-experts FFNs (models/moe.py); Qwen3.5/3.6 (`qwen35`) is a hybrid of Gated DeltaNet and gated
+# attention layers (models/qwen35.py).
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "qwen35", "qwen35moe")
+HYBRID_ARCHS = ("qwen35", "qwen35moe")  # qwen35moe: the same layers with MoE FFNs
 
 
 @dataclass
@@ -53,10 +56,41 @@ class ModelConfig:
     attn_scale: float | None = None  # None = head_dim ** -0.5
     sandwich_norm: bool = False  # Gemma 3: norms after attention and after the FFN too
     final_logit_softcap: float | None = None
+    # Mixture of experts (models/moe.py): in the layers `moe_layers` marks, the FFN is `n_experts` SwiGLU
+    # experts of width `expert_ff`, `n_experts_used` per token, picked by a router: "softmax" (Qwen3-MoE,
+    # Qwen3.5-MoE: softmax over all experts, then top-k) or "sigmoid" (Laguna: sigmoid scores, top-k on the
+    # scores plus a per-expert bias). `norm_topk_prob` renormalises the k weights to sum to 1, then
+    # `expert_weights_scale` multiplies them. A shared expert of width `shared_expert_ff` (0: none) runs on
+    # every token, scaled by sigmoid(x . w) when `shared_expert_gate` (Qwen3.5-MoE).
+    n_experts: int = 0
+    n_experts_used: int = 0
+    expert_ff: int = 0
+    norm_topk_prob: bool = True
+    moe_router: str = "softmax"  # softmax | sigmoid
+    expert_weights_scale: float = 1.0
+    shared_expert_ff: int = 0
+    shared_expert_gate: bool = True
+    moe_layers: list[bool] = field(default_factory=list)  # one per layer; empty: every layer (if n_experts)
+    # Qwen3.5 hybrid (models/qwen35.py): layer type "linear" is a Gated DeltaNet layer with `linear_k_heads`
+    # q/k heads of `linear_k_dim` and `linear_v_heads` value heads of `linear_v_dim` (value head h reads q/k
+    # head h % linear_k_heads: llama.cpp's tiled order), after a causal conv of `linear_conv_kernel` taps;
+    # its full-attention layers gate their output (`attn_output_gate`) and rotate the first `rotary_dim`
+    # dims of each head (None: all of them).
+    linear_k_heads: int = 0
+    linear_v_heads: int = 0
+    linear_k_dim: int = 0
+    linear_v_dim: int = 0
+    linear_conv_kernel: int = 0
+    attn_output_gate: bool = False
+    rotary_dim: int | None = None
 
     def __post_init__(self) -> None:
         if not self.layer_types:
             self.layer_types = ["full"] * self.num_layers
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether layer `layer`'s FFN is the mixture of experts (else the dense gated MLP)."""
+        return self.n_experts > 0 and (not self.moe_layers or self.moe_layers[layer])
 
     @property
     def q_size(self) -> int:
@@ -67,16 +101,31 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
     @property
+    def is_hybrid(self) -> bool:
+        """Some layers keep a per-sequence recurrent state instead of K/V (runtime/recurrent_state.py)."""
+        return "linear" in self.layer_types
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers that keep K/V in the paged cache (every layer but the linear-attention ones)."""
+        return sum(t != "linear" for t in self.layer_types)
+
+    @property
     def has_sliding_layers(self) -> bool:
         return self.sliding_window is not None and "sliding" in self.layer_types
 
     def n_params(self) -> int:
         """Parameter count (embedding counted once when tied)."""
         h, f, n = self.hidden_size, self.intermediate_size, self.num_layers
-        attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
-        per_layer = attn + 3 * h * f
+        q_rows = 2 * self.q_size if self.attn_output_gate else self.q_size
+        attn = h * (q_rows + 2 * self.kv_size) + self.q_size * h
+        key, value = self.linear_k_heads * self.linear_k_dim, self.linear_v_heads * self.linear_v_dim
+        linear = h * (2 * key + 2 * value + 2 * self.linear_v_heads) + value * h  # qkv, gate, alpha, beta; out
+        moe = h * self.n_experts + 3 * h * (self.n_experts * self.expert_ff + self.shared_expert_ff)
+        ffn = sum(moe if self.is_moe(i) else 3 * h * f for i in range(n))
+        mixers = sum(linear if t == "linear" else attn for t in self.layer_types)
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
-        return self.vocab_size * h + n * per_layer + head
+        return self.vocab_size * h + mixers + ffn + head
 
 
 def gemma3_layer_types(num_layers: int, pattern: int = 6) -> list[str]:

@@ -3,8 +3,9 @@
 Llama 2/3, SmolLM2 and Mistral are the base; Qwen2 adds QKV bias, Qwen3 adds
 q/k norm, Gemma 3 adds scaled embeddings, sandwich norms, GeGLU, a second
 RoPE base and sliding-window layers. Each difference is a ModelConfig field,
-so one block class serves them all (a family whose block differs in kind,
-e.g. mixture-of-experts, gets its own file here).
+so one block class serves them all (a family whose block differs in kind
+gets its own file here). A mixture-of-experts layer (Qwen3-MoE) is this block
+with models/moe.py's MoE in place of the dense MLP.
 
 Parameter names are the GGUF tensor names (`blk.0.attn_q.weight` …), so a
 GGUF state dict loads as is and HF folders are mapped to them at load.
@@ -40,13 +41,16 @@ from lucebox.engine.models.layers import (
     gated_act,
     rope_inv_freq,
 )
+from lucebox.engine.models.moe import MoE
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, head_dim]
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (q, k, v) -> attention output
 
 
 class DecoderBlock(nn.Module):
-    """Pre-norm attention + gated MLP; Gemma 3 adds norms after each (sandwich)."""
+    """Pre-norm attention + gated MLP (or mixture of experts); Gemma 3 adds norms after each (sandwich)."""
+
+    moe: MoE | None = None  # set (by MoE.mount) in a mixture-of-experts layer
 
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
@@ -65,9 +69,12 @@ class DecoderBlock(nn.Module):
             self.attn_q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.attn_k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.ffn_norm = RMSNorm(h, cfg.rms_norm_eps)
-        self.ffn_gate = Linear(h, cfg.intermediate_size, bias=False)
-        self.ffn_up = Linear(h, cfg.intermediate_size, bias=False)
-        self.ffn_down = Linear(cfg.intermediate_size, h, bias=False)
+        if cfg.is_moe(layer):
+            MoE(cfg, layer).mount(self)
+        else:
+            self.ffn_gate = Linear(h, cfg.intermediate_size, bias=False)
+            self.ffn_up = Linear(h, cfg.intermediate_size, bias=False)
+            self.ffn_down = Linear(cfg.intermediate_size, h, bias=False)
         if cfg.sandwich_norm:
             self.post_attention_norm = RMSNorm(h, cfg.rms_norm_eps)
             self.post_ffw_norm = RMSNorm(h, cfg.rms_norm_eps)
@@ -75,8 +82,10 @@ class DecoderBlock(nn.Module):
     def fuse(self) -> None:
         """Merge q/k/v and gate/up into one matmul each (fewer, larger kernels)."""
         self.attn_qkv = fuse_linears([self.attn_q, self.attn_k, self.attn_v])
-        self.ffn_gate_up = fuse_linears([self.ffn_gate, self.ffn_up])
-        del self.attn_q, self.attn_k, self.attn_v, self.ffn_gate, self.ffn_up
+        del self.attn_q, self.attn_k, self.attn_v
+        if self.moe is None:
+            self.ffn_gate_up = fuse_linears([self.ffn_gate, self.ffn_up])
+            del self.ffn_gate, self.ffn_up
 
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k (q/k-normed, not yet rotated) and v of the normed input x, each [T, heads, head_dim].
@@ -97,6 +106,8 @@ class DecoderBlock(nn.Module):
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        if self.moe is not None:
+            return self.moe(x)
         return self.ffn_down(gated_act(*self.ffn_gate_up(x).chunk(2, dim=-1), self.act))
 
     def after_attention(self, h: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
@@ -163,7 +174,8 @@ class DecoderBlock(nn.Module):
         # Gemma 3's post-attention norm happens in the same kernel, before the add.
         post = self.post_attention_norm.weight if hasattr(self, "post_attention_norm") else None
         x, residual = ops.add_rms_norm(a, residual, self.ffn_norm.weight, self.ffn_norm.eps, x_weight=post)
-        m = self.ffn_down(ops.act_mul(self.ffn_gate_up(x), self.act))
+        # A mixture of experts runs its eager path here (models/moe.py).
+        m = self.moe(x) if self.moe is not None else self.ffn_down(ops.act_mul(self.ffn_gate_up(x), self.act))
         if hasattr(self, "post_ffw_norm"):
             m = ops.rms_norm(m, self.post_ffw_norm.weight, self.post_ffw_norm.eps)
         return m, residual

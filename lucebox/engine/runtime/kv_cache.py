@@ -17,6 +17,7 @@ import torch
 
 from lucebox.engine.kernels import kv_quant
 from lucebox.engine.models.config import ModelConfig
+from lucebox.engine.runtime.recurrent_state import RecurrentStates
 
 
 class OutOfBlocks(RuntimeError):
@@ -83,29 +84,34 @@ class KVCache:
     """KV tensors `[layers, 2, num_blocks * block_size, kv_heads, head_dim]` and their pool.
 
     A q8_0 cache (`kv_dtype="q8_0"`) is int8 `[..., head_dim + 2]`: each (slot, head) row's values and its
-    fp16 scale (lucebox.engine.kernels.kv_quant); the drafter's context KV stays in the model dtype."""
+    fp16 scale (lucebox.engine.kernels.kv_quant); the drafter's context KV stays in the model dtype.
+    A hybrid model keeps K/V for its attention layers only (`num_kv_layers`), and its linear layers'
+    per-sequence states in `states`, whose slots the scheduler hands out with the blocks."""
 
     data: torch.Tensor
     block_size: int
     pool: BlockPool
+    states: RecurrentStates | None = None
 
     @classmethod
     def create(
         cls, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str,
-        kv_dtype: str = "auto",
+        kv_dtype: str = "auto", state_slots: int = 0,
     ) -> KVCache:
+        """The cache, and for a hybrid model `state_slots` recurrent state slots (plus the scratch one)."""
         dim = cfg.head_dim
         if kv_dtype == "q8_0":
             dtype, dim = torch.int8, kv_quant.row_bytes(cfg.head_dim)
-        shape = (cfg.num_layers, 2, num_blocks * block_size, cfg.num_kv_heads, dim)
-        return cls(torch.zeros(shape, dtype=dtype, device=device), block_size, BlockPool(num_blocks))
+        shape = (cfg.num_kv_layers, 2, num_blocks * block_size, cfg.num_kv_heads, dim)
+        states = RecurrentStates(cfg, state_slots, device) if cfg.is_hybrid else None
+        return cls(torch.zeros(shape, dtype=dtype, device=device), block_size, BlockPool(num_blocks), states)
 
     @staticmethod
     def bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, kv_dtype: str = "auto") -> int:
         """Device bytes of one token's K and V over every layer (q8_0: int8 values plus a 2-byte scale per head)."""
         if kv_dtype == "q8_0":
-            return cfg.num_layers * 2 * cfg.num_kv_heads * kv_quant.row_bytes(cfg.head_dim)
-        return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * torch.tensor([], dtype=dtype).element_size()
+            return cfg.num_kv_layers * 2 * cfg.num_kv_heads * kv_quant.row_bytes(cfg.head_dim)
+        return cfg.num_kv_layers * 2 * cfg.num_kv_heads * cfg.head_dim * torch.tensor([], dtype=dtype).element_size()
 
     @property
     def quantized(self) -> bool:

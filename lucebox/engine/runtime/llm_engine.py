@@ -23,6 +23,7 @@ from lucebox.engine.runtime.grammar import Constraint, expand_masks, fill_masks,
 from lucebox.engine.runtime.kv_cache import KVCache, resolve_kv_dtype
 from lucebox.engine.runtime.model_runner import ModelRunner, is_decode
 from lucebox.engine.runtime.pacing import PrefillPacer
+from lucebox.engine.runtime.recurrent_state import RecurrentStates
 from lucebox.engine.runtime.sampler import (
     SampleRow,
     SamplingError,
@@ -109,7 +110,8 @@ class LLMEngine:
         self.warm_up_seconds: float | None = None  # set by warm_up
         self.warm_up_end: float | None = None  # time.monotonic() when the warm-up ended (ready to serve)
         # The drafter loads first, so the memory plan counts its weights and its share of each KV block.
-        drafter = self._load_drafter(Path(self.config.draft)) if self.config.draft else None
+        self.hybrid = loaded.config.is_hybrid  # recurrent layers: no state snapshots or rollback yet
+        drafter = self._load_drafter(Path(self.config.draft)) if self.config.draft and not self.hybrid else None
         if self.device.type == "cuda" and (self.config.kv_tokens is None or self.config.gpu_memory is not None):
             self.memory_plan = self._plan_memory(drafter)
         elif self.config.gpu_memory is not None:
@@ -128,12 +130,17 @@ class LLMEngine:
             num_blocks = max(2, -(-self._default_kv_tokens() // block_size) + 1)
         try:
             self.kv = KVCache.create(loaded.config, num_blocks, block_size, loaded.dtype, self.device,
-                                     kv_dtype=self.kv_dtype)
+                                     kv_dtype=self.kv_dtype, state_slots=self.config.max_num_seqs)
         except torch.cuda.OutOfMemoryError:
             raise LuceboxError(f"a KV cache of {num_blocks * block_size} tokens does not fit in device memory "
                                "(lower --kv-tokens or --ctx-size)") from None
+        if self.kv.states is not None:  # one slot per running sequence (runtime/recurrent_state.py)
+            graphs_off = self.device.type == "cuda" and self.config.cuda_graphs
+            log.info("recurrent state: %d slots x %.1f MiB (fp32)%s", self.kv.states.num_slots,
+                     RecurrentStates.bytes_per_slot(loaded.config) / 2**20,
+                     "; CUDA graphs are off for hybrid models (eager decode)" if graphs_off else "")
         self.runner = ModelRunner(loaded.model, self.kv)
-        if self.config.cuda_graphs:
+        if self.config.cuda_graphs and not self.hybrid:
             self.runner.enable_cuda_graphs(self.config.max_num_seqs, self.n_ctx)
         self.scheduler = Scheduler(
             self.kv,
@@ -183,6 +190,10 @@ class LLMEngine:
         draft and verify. EngineConfig.draft does this at construction, inside the memory plan."""
         from lucebox.engine.spec.dflash import SpecDecoder
 
+        if self.hybrid:
+            log.warning("speculative decoding is off: %s is a hybrid (recurrent) model and rejected drafts "
+                        "cannot be rolled back out of its states yet; decoding plainly", self.model_config.arch)
+            return
         drafter = drafter if drafter is not None else self._load_drafter(draft)
         self.set_speculation(SpecDecoder(drafter, self.loaded.model, self.kv, ddtree=ddtree, budget=budget,
                                          dtype=self.loaded.dtype))
@@ -204,6 +215,10 @@ class LLMEngine:
         from lucebox.cache.manager import PrefixCache
         from lucebox.cache.markers import ChatMarkers, NoChatMarkers
 
+        if self.hybrid:
+            log.warning("prefix cache is off: %s is a hybrid (recurrent) model and cached blocks cannot restore "
+                        "its recurrent states yet; every prompt is computed in full", self.model_config.arch)
+            return
         markers = None
         if template is not None:
             try:
@@ -260,6 +275,8 @@ class LLMEngine:
         cap = mp.apply_cap(dev, cfg.gpu_memory) if cfg.gpu_memory is not None else None
         torch.cuda.synchronize(dev)
         weights = torch.cuda.memory_allocated(dev)
+        if self.hybrid:  # the recurrent state slots (and the scratch one) are allocated with the KV pool
+            weights += (cfg.max_num_seqs + 1) * RecurrentStates.bytes_per_slot(self.model_config)
         free, _ = torch.cuda.mem_get_info(dev)
         budget = cap if cap is not None else torch.cuda.memory_reserved(dev) + int(free * mp.UNCAPPED_SHARE)
         per_token = KVCache.bytes_per_token(self.model_config, self.loaded.dtype, self.kv_dtype)
@@ -280,7 +297,8 @@ class LLMEngine:
         try:
             measured = mp.measure_activations(self.loaded.model, self.loaded.dtype, dev, block_size=cfg.block_size,
                                               chunk=chunk, batch=cfg.max_num_seqs, n_ctx=self.n_ctx,
-                                              probe_tokens=probe, graphs=cfg.cuda_graphs, kv_dtype=self.kv_dtype)
+                                              probe_tokens=probe, graphs=cfg.cuda_graphs and not self.hybrid,
+                                              kv_dtype=self.kv_dtype)
         except torch.cuda.OutOfMemoryError:
             where = f"--gpu-memory {cfg.gpu_memory:g} GB" if cap is not None else "the free device memory"
             raise LuceboxError(f"a {chunk}-token prefill chunk does not fit next to the weights "
@@ -670,9 +688,14 @@ class LLMEngine:
         """Logits [len, vocab] (fp32) at every position of one prompt, for parity tests."""
         seq = Sequence(list(token_ids), SamplingParams())
         seq.block_table = self.kv.pool.allocate(self.kv.blocks_for(len(token_ids)))
+        if self.kv.states is not None:
+            seq.state_slot = self.kv.states.allocate()
         try:
             inputs = self.runner.prepare([Chunk(seq, 0, len(token_ids))])
-            hidden, _ = self.loaded.model(inputs.input_ids, inputs.positions, self.kv.data, inputs.meta)
+            extra = {} if inputs.state is None else {"state": inputs.state}
+            hidden, _ = self.loaded.model(inputs.input_ids, inputs.positions, self.kv.data, inputs.meta, **extra)
             return self.loaded.model.logits(hidden).float()
         finally:
             self.kv.pool.decref(seq.block_table)
+            if seq.state_slot:
+                self.kv.states.free(seq.state_slot)  # type: ignore[union-attr]

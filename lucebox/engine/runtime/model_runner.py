@@ -21,6 +21,7 @@ from lucebox.engine.kernels.attention import AttentionMetadata, AttnGroup, pad_t
 from lucebox.engine.models import DecoderModel
 from lucebox.engine.runtime.cuda_graphs import CudaGraphDecoder
 from lucebox.engine.runtime.kv_cache import KVCache
+from lucebox.engine.runtime.recurrent_state import StateRows
 from lucebox.engine.runtime.sequence import Chunk
 
 
@@ -33,6 +34,7 @@ class StepInputs:
     order: list[Chunk]  # chunks in layout order
     row_starts: list[int]  # first flat row of each chunk in `order`
     logit_starts: list[int]  # first logits row of each chunk in `order` (-1: none)
+    state: StateRows | None = None  # hybrid models: the recurrent state slot of each chunk
 
 
 @dataclass
@@ -115,6 +117,11 @@ class ModelRunner:
             else:
                 logit_starts.append(-1)
         parts = [*ids, *pos, *slots, np.asarray(logit_rows, dtype=np.int64)]
+        states = self.kv.states
+        if states is not None:  # every chunk's state slot (the decodes' for one batched gather)
+            if verifies:
+                raise ValueError("speculative verification is not supported for hybrid (recurrent) models")
+            parts.append(np.asarray([c.seq.state_slot for c in order], dtype=np.int64))
         # Attention groups: (first row, indices into `order`, has a draft tree); each adds its block
         # tables [n_seqs, blocks], context lengths [n_seqs] and, for trees, ancestor bits [rows].
         groups: list[tuple[int, list[int], bool]] = []
@@ -136,6 +143,10 @@ class ModelRunner:
         dev = self._staging.to_device(parts)
         take = _Taker(dev)
         input_ids, positions, slot_mapping, logits_t = take(row), take(row), take(row), take(len(logit_rows))
+        state = None
+        if states is not None:
+            state = StateRows(states, len(decodes), take(len(order)),
+                              [(row_starts[j], c.n, c.start == 0) for j, c in enumerate(order) if j >= len(decodes)])
         meta = AttentionMetadata(slot_mapping, bs, window=self.cfg.sliding_window if self.cfg.has_sliding_layers
                                  else None)
         for first, idx, has_tree in groups:
@@ -148,13 +159,15 @@ class ModelRunner:
             meta.groups.append(AttnGroup(first, n_seqs, q_len, max_ctx, bt, ctx_lens,
                                          positions[first: first + n_seqs * q_len], tree,
                                          fresh=c0.start == 0 and not c0.verify))
-        return StepInputs(input_ids, positions, meta, logits_t, order, row_starts, logit_starts)
+        return StepInputs(input_ids, positions, meta, logits_t, order, row_starts, logit_starts, state)
 
     # ----- execution ---------------------------------------------------------
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs, capture: tuple[int, ...] = ()) -> StepResult:
-        hidden, features = self.model(inputs.input_ids, inputs.positions, self.kv.data, inputs.meta, capture=capture)
+        extra = {} if inputs.state is None else {"state": inputs.state}
+        hidden, features = self.model(inputs.input_ids, inputs.positions, self.kv.data, inputs.meta, capture=capture,
+                                      **extra)
         logits = self.model.logits(hidden[inputs.logit_rows]).float()
         return StepResult(inputs, logits, features)
 

@@ -10,7 +10,8 @@ thread. Policy:
   (set by the engine's pacer from measured step times when `--prefill-pacing`
   is on, lucebox.engine.runtime.pacing) so a long prompt stalls them less;
 - a waiting sequence is admitted when the pool has the KV blocks for its
-  first chunk and the running set is below `max_num_seqs`;
+  first chunk (and, for a hybrid model, a free recurrent state slot: it
+  waits until one is given back) and the running set is below `max_num_seqs`;
 - when a running sequence needs a block and none is free, the newest running
   sequence is preempted: its blocks are freed and it goes back to the front
   of the queue to be recomputed (prompt + what it generated so far).
@@ -110,8 +111,13 @@ class Scheduler:
                 self.cache.evict(need - self.kv.pool.num_free)
             if need > self.kv.pool.num_free:
                 break
+            states = self.kv.states
+            if states is not None and states.num_free == 0:
+                break
             self.waiting.popleft()
             seq.block_table.extend(self.kv.pool.allocate(max(need, 0)))
+            if states is not None:
+                seq.state_slot = states.allocate()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             chunks.append(Chunk(seq, seq.num_computed, n))
@@ -142,6 +148,7 @@ class Scheduler:
             self.cache.index_prefix(seq)  # its recompute will find these blocks if they survive
         self.kv.pool.decref(seq.block_table)
         seq.block_table = []
+        self._free_state(seq)
         if self.on_release is not None:
             self.on_release(seq)
         seq.cache_attached = False
@@ -234,5 +241,13 @@ class Scheduler:
             seq.block_table = []
         if seq.constraint is not None:  # its matcher seeds the next sequences of the same grammar
             seq.constraint.release()
+        self._free_state(seq)
         if self.on_release is not None:
             self.on_release(seq)
+
+    def _free_state(self, seq: Sequence) -> None:
+        """Give back the sequence's recurrent state slot (hybrid models); its next start is at position 0."""
+        if seq.state_slot:
+            assert self.kv.states is not None
+            self.kv.states.free(seq.state_slot)
+            seq.state_slot = 0

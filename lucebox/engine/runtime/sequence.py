@@ -29,6 +29,7 @@ class Sequence:
     num_computed: int = 0  # tokens whose K/V are in the cache
     num_cached: int = 0  # prompt tokens whose K/V came from a prefix cache
     block_table: list[int] = field(default_factory=list)
+    state_slot: int = 0  # hybrid models: its slot in the recurrent state pool (0: none, scratch; KVCache.states)
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None  # stop | length | cancelled | error
     logprobs: list[TokenLogprobs] = field(default_factory=list)

@@ -34,6 +34,11 @@ INT_RANGES: dict[str, tuple[int, int]] = {
     "sliding_window": (1, 1 << 26),
     "sliding_window_pattern": (1, 1024),
     "original_max_position": (0, 1 << 26),
+    "conv_kernel": (2, 64),  # Gated DeltaNet (qwen35) causal conv taps
+    "linear_heads": (1, 1024),
+    "nextn_layers": (0, 64),
+    "layer_interval": (1, 1024),
+    "n_experts": (1, 1 << 12),
 }
 # ModelConfig field -> (lowest, highest); both ends excluded (eps 0 divides by zero, theta 0 is no rotation).
 FLOAT_RANGES: dict[str, tuple[float, float]] = {
@@ -43,6 +48,7 @@ FLOAT_RANGES: dict[str, tuple[float, float]] = {
     "softcap": (0.0, 1e6),
     "attn_scale": (0.0, 1e6),
     "beta": (0.0, 1e6),
+    "expert_weights_scale": (0.0, 1e3),
 }
 
 _MISSING: Any = object()
@@ -132,7 +138,7 @@ def check_config(cfg: ModelConfig, where: str) -> ModelConfig:
     if cfg.num_heads % cfg.num_kv_heads:
         raise ModelFileError(f"{where}: {cfg.num_heads} attention heads cannot share {cfg.num_kv_heads} "
                              "key/value heads (the key/value head count must divide the head count)")
-    if len(cfg.layer_types) != cfg.num_layers or not set(cfg.layer_types) <= {"full", "sliding"}:
+    if len(cfg.layer_types) != cfg.num_layers or not set(cfg.layer_types) <= {"full", "sliding", "linear"}:
         raise ModelFileError(f"{where}: the per-layer attention types give {len(cfg.layer_types)} layers "
                              f"for a model of {cfg.num_layers}")
     if cfg.sliding_window is not None:
@@ -146,4 +152,6 @@ def check_config(cfg: ModelConfig, where: str) -> ModelConfig:
         check_float(where, "the final logit softcap", cfg.final_logit_softcap, "softcap")
     if cfg.attn_scale is not None:
         check_float(where, "the attention scale", cfg.attn_scale, "attn_scale")
+    if cfg.n_experts and not 1 <= cfg.n_experts_used <= cfg.n_experts:
+        raise ModelFileError(f"{where}: {cfg.n_experts_used} experts per token of {cfg.n_experts} experts")
     return cfg

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from gguf import quants
 
-from lucebox.engine.models.config import SUPPORTED_ARCHS, ModelConfig, RopeScaling, gemma3_layer_types
+from lucebox.engine.models.config import HYBRID_ARCHS, SUPPORTED_ARCHS, ModelConfig, RopeScaling, gemma3_layer_types
 from lucebox.engine.weights.config_check import ConfigValues, check_config, check_float, check_int, describe
 from lucebox.engine.weights.gguf_file import GGUFFile
 from lucebox.engine.weights.quant import QUANT_TYPES, QuantWeight, row_bytes
@@ -76,12 +76,15 @@ def gguf_config(reader: GGUFFile, path: Path) -> ModelConfig:
                         for k in kv_heads), default=heads)
     kv_heads = check_int(str(path), f"{arch}.attention.head_count_kv", kv_heads, "num_kv_heads")
     n_layers = meta.whole("block_count", "num_layers")
+    if family in HYBRID_ARCHS:  # block_count counts the MTP (next-token prediction) blocks too; they are not run
+        n_layers -= check_int(str(path), f"{arch}.nextn_predict_layers", meta.raw("nextn_predict_layers", 0) or 0,
+                              "nextn_layers")
     tokens = field(reader, "tokenizer.ggml.tokens")
     if tokens is not None and not isinstance(tokens, list):
         raise ModelFileError(f"{path}: tokenizer.ggml.tokens is {describe(tokens)}, not a list of token strings")
     vocab = meta.whole("vocab_size", "vocab_size", len(tokens) if tokens else None)
     rope_dim = meta.whole("rope.dimension_count", "head_dim", head_dim)
-    if rope_dim != head_dim:
+    if rope_dim != head_dim and family not in HYBRID_ARCHS:
         raise ModelFileError(f"{path}: partial rotary embeddings (rope dim {rope_dim} < head dim {head_dim})")
     name = field(reader, "general.name", path.stem)
 
@@ -90,7 +93,9 @@ def gguf_config(reader: GGUFFile, path: Path) -> ModelConfig:
         name=name if isinstance(name, str) else path.stem,
         vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=meta.whole("feed_forward_length", "intermediate_size"),
+        # An all-MoE model (qwen35moe) may have no dense FFN width: the experts' stands in, unused.
+        intermediate_size=meta.whole("feed_forward_length", "intermediate_size",
+                                     meta.raw("expert_feed_forward_length", None)),
         num_layers=n_layers,
         num_heads=heads,
         num_kv_heads=kv_heads,
@@ -116,7 +121,52 @@ def gguf_config(reader: GGUFFile, path: Path) -> ModelConfig:
         cfg.attn_scale = max(hidden // heads, 1) ** -0.5 if n_layers == 62 else head_dim**-0.5
         softcap = meta.raw("final_logit_softcapping", None) or None  # 0: no softcap
         cfg.final_logit_softcap = None if softcap is None else meta.real("final_logit_softcapping", "softcap")
+    if family in HYBRID_ARCHS:
+        hybrid_config(cfg, meta, rope_dim)
+    if meta.raw("expert_count", 0):
+        moe_config(cfg, meta, names)
     return check_config(cfg, str(path))
+
+
+def hybrid_config(cfg: ModelConfig, meta: ConfigValues, rope_dim: int) -> None:
+    """Qwen3.5's Gated DeltaNet shape from the `{arch}.ssm.*` keys, as llama.cpp reads them (v_dim from
+    inner_size / time_step_rank), and its layer pattern: layer i is recurrent unless (i + 1) % interval == 0,
+    or as `{arch}.attention.recurrent_layers` lists it."""
+    cfg.linear_conv_kernel = meta.whole("ssm.conv_kernel", "conv_kernel")
+    cfg.linear_k_dim = meta.whole("ssm.state_size", "head_dim")
+    cfg.linear_k_heads = meta.whole("ssm.group_count", "linear_heads")
+    cfg.linear_v_heads = meta.whole("ssm.time_step_rank", "linear_heads")
+    inner = meta.whole("ssm.inner_size", "intermediate_size")
+    if inner % cfg.linear_v_heads or cfg.linear_v_heads % cfg.linear_k_heads:
+        raise ModelFileError(f"{meta.where}: {meta.prefix}ssm.inner_size {inner} over {cfg.linear_v_heads} value "
+                             f"heads, and {cfg.linear_k_heads} key heads, do not divide")
+    cfg.linear_v_dim = inner // cfg.linear_v_heads
+    recurrent = meta.raw("attention.recurrent_layers", None)
+    if isinstance(recurrent, list) and len(recurrent) >= cfg.num_layers:
+        cfg.layer_types = ["linear" if r else "full" for r in recurrent[:cfg.num_layers]]
+    else:
+        interval = meta.whole("full_attention_interval", "layer_interval", 4)
+        cfg.layer_types = ["full" if (i + 1) % interval == 0 else "linear" for i in range(cfg.num_layers)]
+    cfg.qk_norm = cfg.attn_output_gate = True
+    cfg.rotary_dim = rope_dim
+
+
+def moe_config(cfg: ModelConfig, meta: ConfigValues, names: set[str]) -> None:
+    """The experts' shape from the `{arch}.expert_*` keys, as llama.cpp reads them for qwen3moe / qwen35moe
+    (softmax router, top-k weights renormalised); a layer is MoE where the file has its router."""
+    cfg.n_experts = meta.whole("expert_count", "n_experts")
+    cfg.n_experts_used = meta.whole("expert_used_count", "n_experts")
+    cfg.expert_ff = meta.whole("expert_feed_forward_length", "intermediate_size")
+    if meta.raw("expert_shared_feed_forward_length", 0):
+        cfg.shared_expert_ff = meta.whole("expert_shared_feed_forward_length", "intermediate_size")
+    gating = meta.raw("expert_gating_func", 1)  # llama.cpp: 1 softmax, 2 sigmoid
+    if gating not in (1, 2):
+        raise ModelFileError(f"{meta.where}: {meta.prefix}expert_gating_func is {describe(gating)}, "
+                             "not 1 (softmax) or 2 (sigmoid)")
+    cfg.moe_router = "softmax" if gating == 1 else "sigmoid"
+    if meta.raw("expert_weights_scale", 0):  # 0 or absent: unscaled
+        cfg.expert_weights_scale = meta.real("expert_weights_scale", "expert_weights_scale")
+    cfg.moe_layers = [f"blk.{i}.ffn_gate_inp.weight" in names for i in range(cfg.num_layers)]
 
 
 def _rope_scaling(meta: ConfigValues) -> RopeScaling:
@@ -161,8 +211,11 @@ def check_quant_types(reader: GGUFFile, path: Path) -> None:
 
 
 # Weights the model multiplies by (or gathers rows of): kept in their GGUF blocks when the type has kernels.
-_LINEAR_SUFFIXES = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight", "ffn_gate.weight",
-                    "ffn_up.weight", "ffn_down.weight")
+_LINEAR_SUFFIXES = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight", "attn_qkv.weight",
+                    "attn_gate.weight", "ssm_out.weight", "ffn_gate.weight",
+                    "ffn_up.weight", "ffn_down.weight", "ffn_gate_inp.weight", "ffn_gate_exps.weight",
+                    "ffn_up_exps.weight", "ffn_down_exps.weight", "ffn_gate_up_exps.weight", "ffn_gate_shexp.weight",
+                    "ffn_up_shexp.weight", "ffn_down_shexp.weight")
 _TORCH_FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
@@ -235,6 +288,10 @@ def iter_gguf_tensors(
     for t in reader.tensors:
         qtype = t.tensor_type.name
         shape = tuple(reversed([int(d) for d in t.shape]))
+        if t.name.endswith("_exps.weight"):  # [n_expert, rows, cols]: one matrix of every expert's rows
+            shape = (shape[0] * shape[1], shape[2])
+        elif t.name.endswith("ffn_gate_inp_shexp.weight"):  # {n_embd} in the file, a [1, n_embd] linear here
+            shape = (1, *shape)
         q_rows = cfg.arch == "llama" and (t.name.endswith("attn_q.weight") or t.name.endswith("attn_q.bias"))
         k_rows = cfg.arch == "llama" and (t.name.endswith("attn_k.weight") or t.name.endswith("attn_k.bias"))
         heads = cfg.num_heads if q_rows else cfg.num_kv_heads
@@ -261,7 +318,22 @@ def iter_gguf_tensors(
             tensor = torch.from_numpy(arr).to(device=device, dtype=dtype)
         if q_rows or k_rows:
             tensor = unpermute_qk(tensor, heads)  # type: ignore[arg-type]
-        yield t.name, tensor
+        if t.name.endswith("ffn_gate_up_exps.weight"):
+            yield from split_gate_up_exps(t.name, tensor, cfg.n_experts)
+        else:
+            yield t.name, tensor
+
+
+def split_gate_up_exps(name: str, w: torch.Tensor | QuantWeight,
+                       n_experts: int) -> Iterator[tuple[str, torch.Tensor | QuantWeight]]:
+    """llama.cpp's optional fused `ffn_gate_up_exps` [n_expert, 2 ff, n_embd] (each expert's ff gate rows,
+    then its ff up rows) as the `ffn_gate_exps` and `ffn_up_exps` the model holds: rows copied, blocks kept."""
+    def half(rows: torch.Tensor, i: int) -> torch.Tensor:
+        return rows.reshape(n_experts, 2, -1, rows.shape[-1])[:, i].reshape(-1, rows.shape[-1]).contiguous()
+
+    for i, part in enumerate(("gate", "up")):
+        out = w.map_rows(lambda r, i=i: half(r, i)) if isinstance(w, QuantWeight) else half(w, i)
+        yield name.replace("gate_up_exps", f"{part}_exps"), out
 
 
 def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:

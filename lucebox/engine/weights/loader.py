@@ -11,7 +11,8 @@ from typing import Any
 import torch
 
 from lucebox.engine.models import DecoderModel
-from lucebox.engine.models.config import ModelConfig
+from lucebox.engine.models.config import HYBRID_ARCHS, ModelConfig
+from lucebox.engine.models.qwen35 import Qwen35Model
 from lucebox.engine.tokenizer import Tokenizer, tokenizer_from_gguf, tokenizer_from_hf_dir
 from lucebox.engine.weights import gguf_loader, hf_loader
 from lucebox.engine.weights.config_check import describe
@@ -106,7 +107,7 @@ def build_model(
 ) -> DecoderModel:
     """Create the module on the meta device and assign the loaded tensors."""
     with torch.device("meta"):
-        model = DecoderModel(cfg)
+        model = Qwen35Model(cfg) if cfg.arch in HYBRID_ARCHS else DecoderModel(cfg)
     expected = set(model.state_dict().keys())
     state: dict[str, torch.Tensor] = {}
     freq_factors = None

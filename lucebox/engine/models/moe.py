@@ -1,0 +1,163 @@
+"""The mixture-of-experts feed-forward: a router picks `n_experts_used` of `n_experts` SwiGLU experts per
+token; an optional shared expert runs on every token (Qwen3-MoE, Qwen3.5-MoE, Laguna).
+
+The experts' weights are one tensor per projection over all experts, as GGUF stores them
+(`ffn_gate_exps` [n_experts, ff, hidden] …), held as a 2-D `Linear` of n_experts * ff rows: a GGUF expert
+tensor's rows are contiguous per expert, so a quantized file's blocks stay quantized (a `QuantWeight`) and
+expert e is the slice of rows [e * ff, (e + 1) * ff), never a dense copy of all experts.
+
+The eager path (the CPU path and the reference) groups the step's (token, expert) pairs by expert: one
+matmul per routed expert over its tokens, scaled by the routing weight and added back with index_add, the
+order transformers uses. It reads the per-expert counts on the host (one sync per layer), so it cannot be
+captured in a CUDA graph. On CUDA a step of few rows (decode, and any step a CUDA graph captures) runs
+kernels/triton_moe.py instead: a router kernel, then grouped matmuls over the routed experts, dense or
+quantized, the routing read on the device. `experts_every` (every expert over every row, no host sync) is
+what a capture gets with that kernel switched off (LUCEBOX_MOE_KERNEL=0).
+
+Parameter names are the GGUF tensor names (`ffn_gate_inp`, `ffn_gate_exps`, `ffn_up_exps`, `ffn_down_exps`,
+`exp_probs_b`, `ffn_gate_inp_shexp`, `ffn_gate_shexp`, `ffn_up_shexp`, `ffn_down_shexp`); a block mounts
+them on itself (`mount`) so that its parameters keep the file's names (`blk.N.ffn_gate_exps.weight`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lucebox.engine.kernels import triton_moe
+from lucebox.engine.models.config import ModelConfig
+from lucebox.engine.models.layers import Linear, gated_act
+from lucebox.engine.weights.quant import QuantWeight, qlinear
+
+
+class ExpertBias(nn.Module):
+    """A per-expert bias added to the sigmoid router's scores for the choice of experts only (GGUF
+    `exp_probs_b.bias`, HF `e_score_correction_bias`)."""
+
+    def __init__(self, n_experts: int) -> None:
+        super().__init__()
+        self.bias = nn.Parameter(torch.zeros(n_experts), requires_grad=False)
+
+
+def expert_rows(lin: Linear, expert: int, rows: int) -> torch.Tensor | QuantWeight:
+    """Expert `expert`'s [rows, cols] weight in a stacked expert Linear: a view of its dense rows or of its
+    quantized blocks (no copy, nothing dequantized)."""
+    lo, hi = expert * rows, (expert + 1) * rows
+    if lin.qtype is not None:
+        return QuantWeight(lin.qdata[lo:hi], lin.qtype, lin.cols, lin.dtype)
+    return lin.weight[lo:hi]
+
+
+def matmul(x: torch.Tensor, w: torch.Tensor | QuantWeight) -> torch.Tensor:
+    """x @ w.T for a dense or quantized weight (the quantized kernels on CUDA)."""
+    return qlinear(x, w) if isinstance(w, QuantWeight) else F.linear(x, w)
+
+
+class MoE(nn.Module):
+    """Router, routed experts and optional shared expert of layer `layer` (its weights' shapes depend only on
+    `cfg`; `cfg.is_moe(layer)` tells whether the layer has them): forward(x [T, hidden]) -> [T, hidden]."""
+
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        if cfg.moe_router not in ("softmax", "sigmoid"):
+            raise ValueError(f"unknown MoE router {cfg.moe_router!r}")
+        h, e, ff = cfg.hidden_size, cfg.n_experts, cfg.expert_ff
+        self.n_experts, self.top_k, self.ff, self.hidden = e, cfg.n_experts_used, ff, h
+        self.router, self.norm_topk, self.scale = cfg.moe_router, cfg.norm_topk_prob, cfg.expert_weights_scale
+        self.act = cfg.hidden_act
+        self.ffn_gate_inp = Linear(h, e)
+        if self.router == "sigmoid":
+            self.exp_probs_b = ExpertBias(e)
+        self.ffn_gate_exps = Linear(h, e * ff)
+        self.ffn_up_exps = Linear(h, e * ff)
+        self.ffn_down_exps = Linear(ff, e * h)
+        if cfg.shared_expert_ff:
+            if cfg.shared_expert_gate:
+                self.ffn_gate_inp_shexp = Linear(h, 1)
+            self.ffn_gate_shexp = Linear(h, cfg.shared_expert_ff)
+            self.ffn_up_shexp = Linear(h, cfg.shared_expert_ff)
+            self.ffn_down_shexp = Linear(cfg.shared_expert_ff, h)
+
+    def mount(self, host: nn.Module) -> None:
+        """Register this module's weights directly on `host` (a decoder block), under their own names, and
+        keep `host.moe` as a plain attribute: the block's parameters are then named as the GGUF file names
+        them (`blk.N.ffn_up_exps.weight`), so both loaders fill them like any other tensor. The modules are
+        shared, so what the loader assigns (dense or quantized) is what `forward` uses."""
+        for name, child in self.named_children():
+            host.add_module(name, child)
+        host.__dict__["moe"] = self
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] in x's dtype, expert ids [T, k]) as the model defines them, computed in fp32 (with
+        the experts' kernel, by its router kernel)."""
+        logits = self.ffn_gate_inp(x)
+        if triton_moe.use_kernel(x):
+            bias = self.exp_probs_b.bias if self.router == "sigmoid" else None
+            return triton_moe.route(logits, self.top_k, self.router, self.norm_topk, self.scale, bias, x.dtype)
+        logits = logits.float()
+        if self.router == "softmax":
+            probs = torch.softmax(logits, dim=-1)
+            weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        else:
+            scores = torch.sigmoid(logits)
+            ids = torch.topk(scores + self.exp_probs_b.bias.float(), self.top_k, dim=-1).indices
+            weights = scores.gather(-1, ids)
+        if self.norm_topk:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.scale != 1.0:
+            weights = weights * self.scale
+        return weights.to(x.dtype), ids
+
+    def experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for every row t: the rows grouped by expert, one
+        matmul per projection per routed expert (or the Triton kernel, see the module's docstring)."""
+        if triton_moe.use_kernel(x):
+            stacked = [p.quant if p.qtype is not None else p.weight
+                       for p in (self.ffn_gate_exps, self.ffn_up_exps, self.ffn_down_exps)]
+            return triton_moe.moe_experts(x, weights, ids, self.n_experts, *stacked, self.act)
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            return self.experts_every(x, weights, ids)
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        rows = order // self.top_k
+        pair_weights = weights.reshape(-1)[order, None]
+        counts = torch.bincount(flat, minlength=self.n_experts).tolist()  # the one host sync
+        xs = x.index_select(0, rows)
+        out = torch.zeros_like(x)
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            seg = slice(start, start + n)
+            start += n
+            out.index_add_(0, rows[seg], self.expert(xs[seg], e) * pair_weights[seg])
+        return out
+
+    def experts_every(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """`experts` without a host sync: every expert over every row, weighted by the routing weights
+        scattered into [T, n_experts] (zero where not chosen): what a CUDA graph captures with the kernel off."""
+        dense = torch.zeros(x.shape[0], self.n_experts, device=x.device, dtype=x.dtype).scatter_(1, ids, weights)
+        out = torch.zeros_like(x)
+        for e in range(self.n_experts):
+            out += self.expert(x, e) * dense[:, e, None]
+        return out
+
+    def expert(self, x: torch.Tensor, e: int) -> torch.Tensor:
+        """Expert e's SwiGLU (GeGLU) on rows x, from its slice of the stacked weights."""
+        gate = matmul(x, expert_rows(self.ffn_gate_exps, e, self.ff))
+        up = matmul(x, expert_rows(self.ffn_up_exps, e, self.ff))
+        return matmul(gated_act(gate, up, self.act), expert_rows(self.ffn_down_exps, e, self.hidden))
+
+    def shared(self, x: torch.Tensor) -> torch.Tensor:
+        """The shared expert, scaled by its sigmoid gate where the model has one."""
+        y = self.ffn_down_shexp(gated_act(self.ffn_gate_shexp(x), self.ffn_up_shexp(x), self.act))
+        if hasattr(self, "ffn_gate_inp_shexp"):
+            y = torch.sigmoid(self.ffn_gate_inp_shexp(x)) * y
+        return y
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.experts(x, *self.route(x))
+        if hasattr(self, "ffn_down_shexp"):
+            out = out + self.shared(x)
+        return out
