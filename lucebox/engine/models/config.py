@@ -8,7 +8,9 @@ from dataclasses import dataclass, field
 # Llama, SmolLM2 and Mistral share `llama`; Qwen2 adds QKV bias; Qwen3 adds
 # q/k norm; Gemma 3 adds sliding-window layers, sandwich norms and GeGLU; Qwen3-MoE is Qwen3 with
 # mixture-of-experts FFNs (models/moe.py); Qwen3.5/3.6 (`qwen35`) is a hybrid of Gated DeltaNet and gated
-# attention layers (models/qwen35.py).
+# attention layers (models/qwen35.py). Laguna (`laguna`, not listed: it loads from HF folders only, no GGUF
+# arch exists) is the decoder with per-layer head counts, a softplus output gate, sliding-window layers with
+# their own rope, and a sigmoid-routed MoE.
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "qwen35", "qwen35moe")
 HYBRID_ARCHS = ("qwen35", "qwen35moe")  # qwen35moe: the same layers with MoE FFNs
 
@@ -83,10 +85,21 @@ class ModelConfig:
     linear_conv_kernel: int = 0
     attn_output_gate: bool = False
     rotary_dim: int | None = None
+    # Laguna: layer i has `heads_per_layer[i]` query heads (empty: `num_heads` everywhere; the K/V heads, hence
+    # the cache, are the same in every layer); its attention output is multiplied by softplus(`attn_gate` x),
+    # `softplus_gate` values per head (1: one per head, head_dim: one per channel; 0: no gate); its sliding
+    # layers rotate the first `rope_local_dim` dims of each head (None: all), its full ones `rotary_dim`.
+    heads_per_layer: list[int] = field(default_factory=list)
+    softplus_gate: int = 0
+    rope_local_dim: int | None = None
 
     def __post_init__(self) -> None:
         if not self.layer_types:
             self.layer_types = ["full"] * self.num_layers
+
+    def layer_heads(self, layer: int) -> int:
+        """Query heads of layer `layer`."""
+        return self.heads_per_layer[layer] if self.heads_per_layer else self.num_heads
 
     def is_moe(self, layer: int) -> bool:
         """Whether layer `layer`'s FFN is the mixture of experts (else the dense gated MLP)."""
@@ -117,13 +130,17 @@ class ModelConfig:
     def n_params(self) -> int:
         """Parameter count (embedding counted once when tied)."""
         h, f, n = self.hidden_size, self.intermediate_size, self.num_layers
-        q_rows = 2 * self.q_size if self.attn_output_gate else self.q_size
-        attn = h * (q_rows + 2 * self.kv_size) + self.q_size * h
+
+        def attn(layer: int) -> int:
+            q_size = self.layer_heads(layer) * self.head_dim
+            q_rows = 2 * q_size if self.attn_output_gate else q_size
+            return h * (q_rows + 2 * self.kv_size + self.layer_heads(layer) * self.softplus_gate) + q_size * h
+
         key, value = self.linear_k_heads * self.linear_k_dim, self.linear_v_heads * self.linear_v_dim
         linear = h * (2 * key + 2 * value + 2 * self.linear_v_heads) + value * h  # qkv, gate, alpha, beta; out
         moe = h * self.n_experts + 3 * h * (self.n_experts * self.expert_ff + self.shared_expert_ff)
         ffn = sum(moe if self.is_moe(i) else 3 * h * f for i in range(n))
-        mixers = sum(linear if t == "linear" else attn for t in self.layer_types)
+        mixers = sum(linear if t == "linear" else attn(i) for i, t in enumerate(self.layer_types))
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
         return self.vocab_size * h + mixers + ffn + head
 

@@ -5,7 +5,9 @@ q/k norm, Gemma 3 adds scaled embeddings, sandwich norms, GeGLU, a second
 RoPE base and sliding-window layers. Each difference is a ModelConfig field,
 so one block class serves them all (a family whose block differs in kind
 gets its own file here). A mixture-of-experts layer (Qwen3-MoE) is this block
-with models/moe.py's MoE in place of the dense MLP.
+with models/moe.py's MoE in place of the dense MLP. Laguna adds per-layer query
+head counts, a softplus output gate and partial rotary on its full-attention
+layers (a rotary table narrower than the head rotates only its first dims).
 
 Parameter names are the GGUF tensor names (`blk.0.attn_q.weight` …), so a
 GGUF state dict loads as is and HF folders are mapped to them at load.
@@ -26,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from lucebox.engine.kernels import triton_ops as ops
@@ -43,7 +46,7 @@ from lucebox.engine.models.layers import (
 )
 from lucebox.engine.models.moe import MoE
 
-Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, head_dim]
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, rotary_dim]
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (q, k, v) -> attention output
 
 
@@ -55,16 +58,19 @@ class DecoderBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         h, bias = cfg.hidden_size, cfg.attention_bias
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.layer_heads(layer), cfg.num_kv_heads, cfg.head_dim
+        q_size = self.num_heads * cfg.head_dim
         self.sliding = cfg.layer_types[layer] == "sliding" and cfg.sliding_window is not None
         self.window = cfg.sliding_window if self.sliding else None  # what a sliding layer's queries see
         self.scale = cfg.attn_scale if cfg.attn_scale is not None else cfg.head_dim**-0.5
         self.act = cfg.hidden_act
         self.attn_norm = RMSNorm(h, cfg.rms_norm_eps)
-        self.attn_q = Linear(h, cfg.q_size, bias=bias)
+        self.attn_q = Linear(h, q_size, bias=bias)
         self.attn_k = Linear(h, cfg.kv_size, bias=bias)
         self.attn_v = Linear(h, cfg.kv_size, bias=bias)
-        self.attn_output = Linear(cfg.q_size, h, bias=False)
+        self.attn_output = Linear(q_size, h, bias=False)
+        if cfg.softplus_gate:
+            self.attn_gate = Linear(h, self.num_heads * cfg.softplus_gate, bias=False)
         if cfg.qk_norm:
             self.attn_q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.attn_k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -110,9 +116,18 @@ class DecoderBlock(nn.Module):
             return self.moe(x)
         return self.ffn_down(gated_act(*self.ffn_gate_up(x).chunk(2, dim=-1), self.act))
 
-    def after_attention(self, h: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    def gated(self, a: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Laguna's output gate: attention output a [T, heads, head_dim] times softplus(attn_gate x) of the
+        normed input x, one value per head (or per channel), the softplus in fp32 as transformers does."""
+        gate = F.softplus(self.attn_gate(x).float()).to(a.dtype)
+        return a * gate.view(a.shape[0], self.num_heads, -1)
+
+    def after_attention(self, h: torch.Tensor, a: torch.Tensor, x: torch.Tensor | None = None) -> torch.Tensor:
         """The rest of the block once attention gave `a` [T, heads, head_dim] for the stream h [T, hidden]:
-        output projection, (sandwich) norms, both residual adds and the MLP."""
+        output gate, output projection, (sandwich) norms, both residual adds and the MLP. `x`: attn_norm(h)
+        where the caller has it (the gate reads it; recomputed if not given)."""
+        if hasattr(self, "attn_gate"):
+            a = self.gated(a, self.attn_norm(h) if x is None else x)
         a = self.attn_output(a.reshape(h.shape[0], -1))
         if hasattr(self, "post_attention_norm"):
             a = self.post_attention_norm(a)
@@ -125,8 +140,9 @@ class DecoderBlock(nn.Module):
     def forward_with(self, h: torch.Tensor, rope: Rope, attend: Attend) -> torch.Tensor:
         """The block (eager reference) with a caller's attention: `attend(q, k, v)` gets the rotated q/k and v
         [T, heads, head_dim] and returns [T, heads, head_dim] (paged over the cache, or dense_attention)."""
-        q, k, v = self.qkv(self.attn_norm(h), *rope)
-        return self.after_attention(h, attend(q, k, v))
+        x = self.attn_norm(h)
+        q, k, v = self.qkv(x, *rope)
+        return self.after_attention(h, attend(q, k, v), x)
 
     def forward(
         self,
@@ -160,16 +176,25 @@ class DecoderBlock(nn.Module):
             x, residual = ops.rms_norm(h, self.attn_norm.weight, self.attn_norm.eps), h
         else:
             x, residual = ops.add_rms_norm(h, residual, self.attn_norm.weight, self.attn_norm.eps)
-        qk_norm = hasattr(self, "attn_q_norm")
-        q, k, v = ops.rope_qk_and_cache(
-            self.attn_qkv(x), *rope, k_cache, v_cache, meta.slot_mapping, self.num_heads, self.num_kv_heads,
-            q_norm_w=self.attn_q_norm.weight if qk_norm else None,
-            k_norm_w=self.attn_k_norm.weight if qk_norm else None,
-            eps=self.attn_q_norm.eps if qk_norm else 0.0,
-        )
-        # A q8_0 cache (int8) is left unwritten by the fused kernel: paged_attention quantizes the new rows.
+        if rope[0].shape[-1] == self.head_dim:
+            qk_norm = hasattr(self, "attn_q_norm")
+            q, k, v = ops.rope_qk_and_cache(
+                self.attn_qkv(x), *rope, k_cache, v_cache, meta.slot_mapping, self.num_heads, self.num_kv_heads,
+                q_norm_w=self.attn_q_norm.weight if qk_norm else None,
+                k_norm_w=self.attn_k_norm.weight if qk_norm else None,
+                eps=self.attn_q_norm.eps if qk_norm else 0.0,
+            )
+            # A q8_0 cache (int8) is left unwritten by the fused kernel: paged_attention quantizes the new rows.
+            write_kv = k_cache.dtype == torch.int8
+        else:
+            # Partial rotary (Laguna's full-attention layers): the kernel rotates whole heads, so these layers
+            # take the eager q/k/v (a few more small kernels) and paged_attention writes the cache.
+            q, k, v = self.qkv(x, *rope)
+            write_kv = True
         a = paged_attention(q, k, v, k_cache, v_cache, meta, scale=self.scale, sliding=self.sliding,
-                            write_kv=k_cache.dtype == torch.int8)
+                            write_kv=write_kv)
+        if hasattr(self, "attn_gate"):
+            a = self.gated(a, x)
         a = self.attn_output(a.reshape(h.shape[0], -1))
         # Gemma 3's post-attention norm happens in the same kernel, before the add.
         post = self.post_attention_norm.weight if hasattr(self, "post_attention_norm") else None
@@ -204,12 +229,14 @@ class DecoderModel(nn.Module):
         self.init_rotary(device, freq_factors)
 
     def init_rotary(self, device: torch.device | str, freq_factors: torch.Tensor | None = None) -> None:
-        """(Re)build the rotary tables."""
+        """(Re)build the rotary tables, each over the dims its layers rotate (Laguna: half the head in full layers)."""
         cfg = self.cfg
-        inv, factor = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position, freq_factors)
+        inv, factor = rope_inv_freq(cfg.rotary_dim or cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
+                                    cfg.max_position, freq_factors)
         self.rotary["full"] = Rotary(inv.to(device), factor)
         if cfg.rope_local_theta is not None:
-            inv, factor = rope_inv_freq(cfg.head_dim, cfg.rope_local_theta, cfg.rope_local_scaling, cfg.max_position)
+            inv, factor = rope_inv_freq(cfg.rope_local_dim or cfg.head_dim, cfg.rope_local_theta,
+                                        cfg.rope_local_scaling, cfg.max_position)
             self.rotary["sliding"] = Rotary(inv.to(device), factor)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -230,5 +230,9 @@ def gated_act(gate: torch.Tensor, up: torch.Tensor, act: str = "silu") -> torch.
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE on x [T, heads, head_dim] with cos/sin [T, head_dim]."""
-    return triton_ops.apply_rotary_ref(x, cos, sin)
+    """Rotate-half RoPE on x [T, heads, head_dim] with cos/sin [T, rotary_dim]: a table narrower than the head
+    (partial rotary) rotates the first rotary_dim dims and passes the rest, as transformers does."""
+    r = cos.shape[-1]
+    if r == x.shape[-1]:
+        return triton_ops.apply_rotary_ref(x, cos, sin)
+    return torch.cat((triton_ops.apply_rotary_ref(x[..., :r], cos, sin), x[..., r:]), dim=-1)

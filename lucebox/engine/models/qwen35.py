@@ -86,7 +86,6 @@ class GatedAttentionBlock(_Block):
         super().__init__(cfg, layer)
         h, hd = cfg.hidden_size, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, hd
-        self.rotary_dim = cfg.rotary_dim or hd
         self.scale = hd**-0.5
         self.attn_q = Linear(h, 2 * cfg.q_size)  # per head: [query | gate]
         self.attn_k = Linear(h, cfg.kv_size)
@@ -94,13 +93,6 @@ class GatedAttentionBlock(_Block):
         self.attn_output = Linear(cfg.q_size, h)
         self.attn_q_norm = RMSNorm(hd, cfg.rms_norm_eps)
         self.attn_k_norm = RMSNorm(hd, cfg.rms_norm_eps)
-
-    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """RoPE on the first `rotary_dim` dims of each head; the rest passes unrotated."""
-        r = self.rotary_dim
-        if r == self.head_dim:
-            return apply_rotary(x, cos, sin)
-        return torch.cat((apply_rotary(x[..., :r], cos, sin), x[..., r:]), dim=-1)
 
     def forward(self, h: torch.Tensor, rope: Rope, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -110,7 +102,7 @@ class GatedAttentionBlock(_Block):
         q, gate = self.attn_q_norm(qg[..., :hd]), qg[..., hd:]
         k = self.attn_k_norm(self.attn_k(x).view(T, self.num_kv_heads, hd))
         v = self.attn_v(x).view(T, self.num_kv_heads, hd)
-        q, k = self.rotate(q, *rope), self.rotate(k, *rope)
+        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)  # the table is rotary_dim wide: partial rotary
         a = paged_attention(q, k, v, k_cache, v_cache, meta, scale=self.scale, sliding=False)
         a = a.reshape(T, -1) * torch.sigmoid(gate.reshape(T, -1))
         return self.ffn(h + self.attn_output(a))

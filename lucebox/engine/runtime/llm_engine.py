@@ -367,10 +367,11 @@ class LLMEngine:
         cfg = self.model_config
         window = cfg.sliding_window if cfg.has_sliding_layers else None
         scale = cfg.attn_scale if cfg.attn_scale is not None else cfg.head_dim**-0.5
-        triton_attention.warm_up(self.kv.data[0, 0], self.kv.data[0, 1], num_heads=cfg.num_heads,
-                                 page=self.kv.block_size, scale=scale, window=window,
-                                 max_rows=min(self.config.max_step_tokens, max_rows), tree=self.spec is not None,
-                                 dtype=self.loaded.dtype)
+        for heads in sorted({cfg.layer_heads(i) for i in range(cfg.num_layers)}):  # Laguna: 48 and 64
+            triton_attention.warm_up(self.kv.data[0, 0], self.kv.data[0, 1], num_heads=heads,
+                                     page=self.kv.block_size, scale=scale, window=window,
+                                     max_rows=min(self.config.max_step_tokens, max_rows), tree=self.spec is not None,
+                                     dtype=self.loaded.dtype)
 
     def _tune_quant_kernels(self) -> None:
         """Pick the quantized matmul kernels' launch configs for this model's weight shapes (timed once)."""

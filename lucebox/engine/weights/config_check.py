@@ -135,9 +135,13 @@ def check_config(cfg: ModelConfig, where: str) -> ModelConfig:
         check_int(where, f"the model's {field}", getattr(cfg, field), field)
     check_float(where, "the model's rms_norm_eps", cfg.rms_norm_eps, "rms_norm_eps")
     check_float(where, "the model's rope_theta", cfg.rope_theta, "rope_theta")
-    if cfg.num_heads % cfg.num_kv_heads:
-        raise ModelFileError(f"{where}: {cfg.num_heads} attention heads cannot share {cfg.num_kv_heads} "
-                             "key/value heads (the key/value head count must divide the head count)")
+    if cfg.heads_per_layer and len(cfg.heads_per_layer) != cfg.num_layers:
+        raise ModelFileError(f"{where}: the per-layer head counts give {len(cfg.heads_per_layer)} layers "
+                             f"for a model of {cfg.num_layers}")
+    for heads in {cfg.num_heads, *cfg.heads_per_layer}:
+        if heads % cfg.num_kv_heads:
+            raise ModelFileError(f"{where}: {heads} attention heads cannot share {cfg.num_kv_heads} "
+                                 "key/value heads (the key/value head count must divide the head count)")
     if len(cfg.layer_types) != cfg.num_layers or not set(cfg.layer_types) <= {"full", "sliding", "linear"}:
         raise ModelFileError(f"{where}: the per-layer attention types give {len(cfg.layer_types)} layers "
                              f"for a model of {cfg.num_layers}")

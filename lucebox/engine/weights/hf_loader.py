@@ -33,9 +33,12 @@ _MODEL_TYPES = {
     "qwen3_5": "qwen35",
     "qwen3_5_moe_text": "qwen35moe",
     "qwen3_5_moe": "qwen35moe",
+    "laguna": "laguna",
 }
 _GGUF_ARCH = {"llama": "LLAMA", "qwen2": "QWEN2", "qwen3": "QWEN3", "gemma3": "GEMMA3", "qwen3moe": "QWEN3MOE",
-              "qwen35": "QWEN35", "qwen35moe": "QWEN35MOE"}
+              "qwen35": "QWEN35", "qwen35moe": "QWEN35MOE",
+              # gguf has no Laguna arch; Step-3.5's map names all its tensors (g_proj: the head-wise gate).
+              "laguna": "STEP35"}
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -89,12 +92,14 @@ def hf_config(folder: Path) -> ModelConfig:
         rope_scaling=rope["full"][1],
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", family == "gemma3")),
         attention_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
-        qk_norm=family in ("qwen3", "gemma3", "qwen3moe", *HYBRID_ARCHS),
+        qk_norm=family in ("qwen3", "gemma3", "qwen3moe", "laguna", *HYBRID_ARCHS),
     )
     if family in HYBRID_ARCHS:
         hybrid_config(cfg, vals, raw)
     if family == "qwen3moe":
         moe_config(cfg, vals, raw)
+    if family == "laguna":
+        laguna_config(cfg, vals, raw, rope)
     if model_type == "mistral" and raw.get("sliding_window"):
         cfg.sliding_window = vals.whole("sliding_window", "sliding_window")
         cfg.layer_types = ["sliding"] * n_layers
@@ -155,6 +160,68 @@ def hybrid_config(cfg: ModelConfig, vals: ConfigValues, raw: dict[str, Any]) -> 
         cfg.expert_ff = vals.whole("moe_intermediate_size", "intermediate_size")
         cfg.shared_expert_ff = vals.whole("shared_expert_intermediate_size", "intermediate_size")
         cfg.norm_topk_prob = cfg.shared_expert_gate = True
+
+
+def laguna_config(cfg: ModelConfig, vals: ConfigValues, raw: dict[str, Any],
+                  rope: dict[str, tuple[float, RopeScaling]]) -> None:
+    """Laguna (transformers' `laguna`): query heads per layer, a softplus output gate (per head, or per channel
+    with gating "per-element"), full and sliding-window layers each with their rope base, scaling and partial
+    rotary factor, layer i's FFN dense or MoE as `mlp_layer_types` says (default: layer 0 dense), a sigmoid
+    router whose top-k weights sum to 1 times `moe_routed_scaling_factor`, and an ungated shared expert."""
+    where, n = vals.where, cfg.num_layers
+
+    def per_layer(key: str, default: list, allowed: set | None = None) -> list:
+        value = raw.get(key)
+        value = default if value is None else value
+        ok = isinstance(value, list) and len(value) == n and (
+            allowed is None or all(isinstance(v, str) and v in allowed for v in value))
+        if not ok:
+            what = f" of {' / '.join(sorted(allowed))}" if allowed else ""
+            raise ModelFileError(f"{where}: {key} is {describe(value)}, not a list{what} of one per layer ({n})")
+        return value
+
+    heads = per_layer("num_attention_heads_per_layer", [cfg.num_heads] * n)
+    cfg.heads_per_layer = [check_int(where, f"num_attention_heads_per_layer[{i}]", v, "num_heads")
+                           for i, v in enumerate(heads)]
+    gating = raw.get("gating", True)
+    if gating is True or gating == "per-head":
+        cfg.softplus_gate = 1
+    elif gating == "per-element":
+        cfg.softplus_gate = cfg.head_dim
+    else:
+        raise ModelFileError(f'{where}: gating is {describe(gating)}; true, "per-head" or "per-element" expected')
+    types = per_layer("layer_types", ["full_attention"] * n, {"full_attention", "sliding_attention"})
+    cfg.layer_types = ["sliding" if t == "sliding_attention" else "full" for t in types]
+    cfg.sliding_window = vals.whole("sliding_window", "sliding_window", 512)
+    cfg.rope_local_theta, cfg.rope_local_scaling = rope["sliding"]
+    params = raw.get("rope_parameters") if isinstance(raw.get("rope_parameters"), dict) else {}
+    for kind, attr in (("full_attention", "rotary_dim"), ("sliding_attention", "rope_local_dim")):
+        sub = params.get(kind) if isinstance(params.get(kind), dict) else {}
+        factor = check_float(where, f"rope_parameters.{kind}.partial_rotary_factor",
+                             sub.get("partial_rotary_factor", 0.5 if kind == "full_attention" else 1.0),
+                             "rope_factor")
+        dim = int(cfg.head_dim * factor)  # transformers' rounding
+        if dim < 2 or dim % 2 or dim > cfg.head_dim:
+            raise ModelFileError(f"{where}: rope_parameters.{kind} rotates {dim} of {cfg.head_dim} dims per head "
+                                 "(an even number from 2 to head_dim expected)")
+        setattr(cfg, attr, dim)
+    mlp = per_layer("mlp_layer_types", ["dense"] + ["sparse"] * (n - 1), {"dense", "sparse"})
+    cfg.moe_layers = [t == "sparse" for t in mlp]
+    cfg.n_experts = vals.whole("num_experts", "n_experts", 256)
+    cfg.n_experts_used = vals.whole("num_experts_per_tok", "n_experts", 8)
+    cfg.expert_ff = vals.whole("moe_intermediate_size", "intermediate_size", 512)
+    cfg.shared_expert_ff = vals.whole("shared_expert_intermediate_size", "intermediate_size", 512)
+    cfg.moe_router, cfg.norm_topk_prob, cfg.shared_expert_gate = "sigmoid", True, False
+    cfg.expert_weights_scale = vals.real("moe_routed_scaling_factor", "expert_weights_scale", 1.0)
+    if raw.get("moe_router_logit_softcapping") or raw.get("moe_apply_router_weight_on_input"):
+        raise ModelFileError(f"{where}: moe_router_logit_softcapping and moe_apply_router_weight_on_input are not "
+                             "supported (models/moe.py's router has neither)")
+
+
+# Laguna's router bias: `mlp.experts.e_score_correction_bias` in checkpoints (transformers renames it at load),
+# `mlp.gate.` in memory; as `mlp.gate.e_score_correction.bias` the gguf map knows it (deepseek-v3's converter
+# name). The checkpoints' `mlp.shared_expert.` (Qwen2-MoE's name) the map knows as it is.
+_LAGUNA_BIAS = re.compile(r"\.mlp\.(?:experts|gate)\.e_score_correction_bias$")
 
 
 def _qwen35_key(hf_name: str) -> str:
@@ -308,6 +375,8 @@ def iter_hf_tensors(
                     key = hf_name.removeprefix("language_model.")
                     if cfg.arch in HYBRID_ARCHS:
                         key = _qwen35_key(key)
+                    elif cfg.arch == "laguna":
+                        key = _LAGUNA_BIAS.sub(".mlp.gate.e_score_correction.bias", key)
                     if experts.takes(key):
                         for name, tensor in experts.add(key, f.get_tensor(hf_name)):
                             yield name, tensor.to(device=device, dtype=dtype)
