@@ -214,7 +214,7 @@ def test_bad_configs_are_model_file_errors(folder, tmp_path, change: dict, messa
 
 
 def test_real_config(tmp_path) -> None:
-    """Laguna-XS.2's config.json fields (shared/data/models/Laguna-XS.2.facts.md): 48 query heads in the 10
+    """Laguna-XS.2's config.json fields (from the project's facts file): 48 query heads in the 10
     full-attention layers (every 4th from 0), 64 in the 30 sliding ones, rotary on 64 of 128 dims in full
     layers and all 128 in sliding ones, layer 0 dense; about 33.4B parameters."""
     conf = {"model_type": "laguna", "architectures": ["LagunaForCausalLM"], "vocab_size": 100352,
