@@ -38,7 +38,7 @@ from torch import nn
 from lucebox.engine.kernels.attention import AttentionMetadata, paged_attention
 from lucebox.engine.models.config import ModelConfig
 from lucebox.engine.models.decoder import DecoderModel, Rope
-from lucebox.engine.models.layers import Embedding, Linear, RMSNorm, Rotary, apply_rotary, gated_act, rope_inv_freq
+from lucebox.engine.models.layers import Embedding, Linear, RMSNorm, apply_rotary, gated_act
 from lucebox.engine.models.moe import MoE
 from lucebox.engine.runtime.recurrent_state import StateRows
 
@@ -244,13 +244,6 @@ class Qwen35Model(DecoderModel):
             elif isinstance(module, DeltaNetBlock):
                 module.ssm_a = nn.Parameter(module.ssm_a.float(), requires_grad=False)
         self.init_rotary(device, freq_factors)
-
-    def init_rotary(self, device: torch.device | str, freq_factors: torch.Tensor | None = None) -> None:
-        """The rotary table over `rotary_dim` (the rotated part of each head)."""
-        cfg = self.cfg
-        inv, factor = rope_inv_freq(cfg.rotary_dim or cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
-                                    cfg.max_position, freq_factors)
-        self.rotary["full"] = Rotary(inv.to(device), factor)
 
     def forward(
         self,
