@@ -10,7 +10,6 @@ fp64 by ~2e-5 relative on the 150-token prompt.
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import pytest
@@ -265,22 +264,8 @@ def test_real_configs(tmp_path, wrapper: str, text: dict, arch: str, params_b: f
     assert round(RecurrentStates.bytes_per_slot(cfg) / 2**20, 1) == state_mib
 
 
-def test_prefix_cache_and_speculation_refused(files, tmp_path, caplog) -> None:
-    """Until states can be snapshotted and rolled back, both are turned off with a log line, not an error."""
-    from lucebox.cache.manager import CacheConfig
-
-    with caplog.at_level(logging.WARNING, logger="lucebox.engine.runtime.llm_engine"):
-        e = engine(files["gguf"], draft=str(tmp_path / "no-drafter-needed"))
-        e.enable_prefix_cache(CacheConfig())
-    assert e.spec is None and e.cache is None and e.scheduler.cache is None
-    messages = [r.getMessage() for r in caplog.records]
-    assert any(m.startswith("speculative decoding is off") for m in messages), messages
-    assert any(m.startswith("prefix cache is off") for m in messages), messages
-    assert e.generate([prompt(12, 7)], greedy(3))[0]
-
-
 def test_serves_a_chat_request(files) -> None:
-    """`lucebox serve` of the tiny qwen35 GGUF answers a chat completion (prefix cache on by default: refused)."""
+    """`lucebox serve` of the tiny qwen35 GGUF answers a chat completion (its prefix cache on, by default)."""
     import httpx
 
     from tests.live_server import start_server

@@ -10,10 +10,12 @@ prefix, tier 2: exact prompt; the same SHA-1 can name one entry of each):
                  BLAKE2b-128 of the header bytes before it
     offset 256   payload: tensor table (count, then name, dtype, shape, file
                  offset, byte length of each tensor: "tokens", "kv" and, when
-                 a DFlash drafter is on, "draft_kv")
+                 a DFlash drafter is on, "draft_kv"; for a hybrid model its
+                 recurrent state at the KV's end, "conv" and "ssm", fp32)
     offset 512   token ids, int32 (at 1024 when the table has a third tensor)
     4 KiB aligned raw KV `[layers, 2, n_kv, kv_heads, head_dim]`, C order
     4 KiB aligned the drafter's context KV of the same positions (if stored)
+    4 KiB aligned conv, then ssm (if stored)
 
 Writes go to a temp file in the same folder (`.<name>.<pid>.<rand>.tmp`),
 fsync'd, then renamed over the final name and the folder fsync'd: a crash
@@ -67,6 +69,7 @@ _KEY = re.compile(r"[0-9a-f]{40}")
 _LAYOUT = re.compile(r"[0-9A-Za-z_-]{1,32}")
 _NAME = re.compile(r"([0-9a-f]{40})\.t([12])\.kv")
 _TEMP = re.compile(r"\.[0-9a-f]{40}\.t[12]\.kv\.(\d+)\.[0-9a-f]+\.tmp")
+_TENSORS = {"tokens", "kv", "draft_kv", "conv", "ssm"}
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int8, torch.uint8,
     torch.float8_e4m3fn, torch.float8_e5m2)}
@@ -105,6 +108,12 @@ class DiskSnapshot:
     tokens: np.ndarray  # int32
     kv: torch.Tensor  # [layers, 2, n_kv, kv_heads, head_dim]
     draft_kv: torch.Tensor | None = None  # [drafter layers, 2, n_kv, heads, head_dim], if stored
+    conv: torch.Tensor | None = None  # a hybrid model's recurrent state at position n_kv, if stored
+    ssm: torch.Tensor | None = None
+
+    @property
+    def state(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return None if self.conv is None or self.ssm is None else (self.conv, self.ssm)
 
 
 @dataclass
@@ -302,15 +311,17 @@ class DiskStore:
         if hashlib.blake2b(raw[HEADER_SIZE:], digest_size=32).digest() != payload_sum:
             raise CorruptEntry("payload checksum mismatch")
         tensors = self._read_table(raw)
-        if set(tensors) not in ({"tokens", "kv"}, {"tokens", "kv", "draft_kv"}):
-            raise CorruptEntry(f"tensor table holds {sorted(tensors)}, not tokens and kv (and draft_kv)")
+        names = set(tensors)
+        if not {"tokens", "kv"} <= names <= _TENSORS or ("conv" in names) != ("ssm" in names):
+            raise CorruptEntry(f"tensor table holds {sorted(tensors)}, not tokens and kv (and draft_kv, conv + ssm)")
         tokens, kv, draft_kv = tensors["tokens"], tensors["kv"], tensors.get("draft_kv")
         if tokens.dtype != torch.int32 or tuple(tokens.shape) != (entry.n_tokens,):
             raise CorruptEntry("token table entry does not match the header")
         for name, t in (("KV", kv), ("drafter KV", draft_kv)):
             if t is not None and (t.dim() != 5 or t.shape[1] != 2 or t.shape[2] != entry.n_kv):
                 raise CorruptEntry(f"{name} shape {tuple(t.shape)} does not match the header")
-        return DiskSnapshot(entry.tier, entry.key, tokens.numpy().copy(), kv, draft_kv)
+        return DiskSnapshot(entry.tier, entry.key, tokens.numpy().copy(), kv, draft_kv, tensors.get("conv"),
+                            tensors.get("ssm"))
 
     @staticmethod
     def _read_table(raw: np.ndarray) -> dict[str, torch.Tensor]:
@@ -337,10 +348,11 @@ class DiskStore:
     # ----- writes ------------------------------------------------------------
 
     def put(self, tier: int, key: str, tokens: Sequence[int] | np.ndarray, kv: torch.Tensor,
-            draft_kv: torch.Tensor | None = None) -> bool:
+            draft_kv: torch.Tensor | None = None, state: tuple[torch.Tensor, torch.Tensor] | None = None) -> bool:
         """Write an entry now (in the calling thread); False if skipped (present, small, no room, error).
 
-        `draft_kv` (a DFlash drafter's context KV of the same positions) is stored after the KV."""
+        `draft_kv` (a DFlash drafter's context KV of the same positions) is stored after the KV, then
+        `state` (a hybrid model's conv and ssm states at the KV's end)."""
         if tier not in (1, 2) or not _KEY.fullmatch(key):
             raise ValueError(f"a disk entry needs tier 1 or 2 and a SHA-1 hex key, not {tier}, {key!r}")
         if kv.dim() != 5 or kv.shape[1] != 2 or kv.shape[2] > len(tokens):
@@ -358,6 +370,8 @@ class DiskStore:
             blobs = [("kv", kv.detach().to("cpu").contiguous())]
             if draft_kv is not None:
                 blobs.append(("draft_kv", draft_kv.detach().to("cpu").contiguous()))
+            if state is not None:
+                blobs += [(name, t.detach().to("cpu").contiguous()) for name, t in zip(("conv", "ssm"), state)]
             tokens_at = _tokens_at(1 + len(blobs))
             placed, size = [], tokens_at + toks.nbytes
             for name, t in blobs:
@@ -479,7 +493,8 @@ class DiskStore:
     # ----- the background writer ---------------------------------------------
 
     def put_async(self, tier: int, key: str, tokens: Sequence[int] | np.ndarray, kv: torch.Tensor,
-                  draft_kv: torch.Tensor | None = None, done: Callable[[], None] | None = None) -> bool:
+                  draft_kv: torch.Tensor | None = None, done: Callable[[], None] | None = None,
+                  state: tuple[torch.Tensor, torch.Tensor] | None = None) -> bool:
         """Queue a write for the background thread; never blocks. False if not queued
         (already stored or queued, below min_tokens, or the queue is full).
 
@@ -494,7 +509,7 @@ class DiskStore:
             if (tier, key) in self._index or (tier, key) in self._pending:
                 return False
             self._pending.add((tier, key))
-        if not self._enqueue(("put", tier, key, tokens, kv, draft_kv, done)):
+        if not self._enqueue(("put", tier, key, tokens, kv, draft_kv, done, state)):
             with self._lock:
                 self._pending.discard((tier, key))
             self._count("dropped")
@@ -520,9 +535,9 @@ class DiskStore:
                 if job[0] == "touch":
                     self._touch(job[1])
                 else:
-                    _, tier, key, tokens, kv, draft_kv, done = job
+                    _, tier, key, tokens, kv, draft_kv, done, state = job
                     try:
-                        self.put(tier, key, tokens, kv, draft_kv)
+                        self.put(tier, key, tokens, kv, draft_kv, state)
                     finally:
                         with self._lock:
                             self._pending.discard((tier, key))

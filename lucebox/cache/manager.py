@@ -28,6 +28,12 @@ target's (another tensor, same slots), so tier 0 shares them for free; the
 snapshots of tiers 1 and 2 (RAM and disk) store them next to the target's KV
 (+ drafter layers / target layers bytes: 2/30 for the shipped SmolLM2 drafter)
 and a restore writes both. A snapshot without drafter KV is not used then.
+
+A hybrid model (Qwen3.5/3.6) also needs its recurrent state at the hit's position
+(state_snapshots.py): its snapshots carry the state captured where the prompt's
+prefill passed the snapshot's position, a hit is only ever at such a position
+(the GPU blocks below it are shared, the rest of the KV and the state restored),
+and with no snapshot the prompt is computed from position 0.
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ from lucebox.cache.snapshots import (
     Snapshot,
     SnapshotPool,
     aligned,
+    buffer_layout,
     gather_kv_into,
     prefix_keys,
     scatter_kv,
@@ -60,7 +67,9 @@ from lucebox.cache.snapshots import (
     snapshot_shape,
     token_key,
 )
+from lucebox.cache.state_snapshots import StateSnapshots
 from lucebox.engine.runtime.kv_cache import KVCache, OutOfBlocks
+from lucebox.engine.runtime.recurrent_state import StateCapture
 from lucebox.engine.runtime.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -113,6 +122,8 @@ class PendingCopy:
     after: Any = None  # torch.cuda.Event after the steps that wrote the KV (CUDA)
     kv: Any = None  # torch.Tensor views into `buffer`, once started
     draft_kv: Any = None
+    capture: StateCapture | None = None  # a hybrid model's state at position n (released once copied)
+    state: Any = None  # (conv, ssm) views into `buffer`, once started
     buffer: HostBuffer | None = None  # None once started: the host pool had no room
     copies: list[KVCopy] = field(default_factory=list)
     started: threading.Event = field(default_factory=threading.Event)
@@ -153,6 +164,7 @@ class PrefixCache:
         # Size classes waste up to 1/8 of a buffer: the pool's bound leaves that over both RAM budgets.
         budget = cfg.ram_bytes * (int(prefix_on) + int(bool(cfg.exact_slots)))
         self.host = HostBufferPool(budget + budget // 8, kv.data.device)
+        self.states = StateSnapshots(kv.states, self.host) if kv.states is not None else None
         self.prefix = SnapshotPool(cfg.prefix_slots, "prefix", max_bytes=cfg.ram_bytes, host=self.host) \
             if prefix_on else None
         self.exact = SnapshotPool(cfg.exact_slots, "exact", max_bytes=cfg.ram_bytes, host=self.host) \
@@ -226,7 +238,7 @@ class PrefixCache:
     @staticmethod
     def _put(pool: SnapshotPool, key: str, snap: Any) -> None:
         """Promote a disk snapshot into a RAM pool (`put` copies the mapped file's KV into a host buffer)."""
-        pool.put(key, snap.tokens, snap.kv, snap.draft_kv)
+        pool.put(key, snap.tokens, snap.kv, snap.draft_kv, snap.state)
 
     # ----- engine thread ------------------------------------------------------
 
@@ -240,27 +252,66 @@ class PrefixCache:
             self.kv.pool.incref(blocks)
             seq.block_table = list(blocks)
             cached = len(blocks) * self.kv.block_size
-            self._count("gpu", cached)
+            if self.states is None:
+                self._count("gpu", cached)
         hint = seq.cache_hint
-        if hint is not None and seq.num_output == 0 and cached < len(tokens) - 1:
+        shared = -1  # a hybrid's: the GPU tokens kept below the restored snapshot (-1: none restored)
+        if hint is not None and seq.num_output == 0 and (cached < len(tokens) - 1 or self.states is not None):
             snap, end, tier = self._find_snapshot(seq.prompt_ids, hint)
             try:
-                if snap is not None and end > cached and self._grow(seq, end):
+                if snap is not None and self.states is not None:  # KV only below the snapshot's state
+                    cached = self._trim(seq, min(cached, end // self.kv.block_size * self.kv.block_size))
+                if snap is not None and (end > cached or self.states is not None) and self._grow(seq, end):
                     scatter_kv(self.kv, seq.block_table, snap.kv, start=cached, end=end)
                     if self.draft_kv is not None:
                         scatter_kv(self.draft_kv, seq.block_table, snap.draft_kv, start=cached, end=end)
+                    if self.states is not None:
+                        self.states.restore(seq, snap.conv, snap.ssm)
                     self.counters[tier].restored_tokens += end - cached
-                    cached = end
+                    shared, cached = cached, end
             finally:
                 if snap is not None and snap.buffer is not None:
                     snap.buffer.release()  # after the restore's copy was queued: the buffer is reused after it
+        if self.states is not None:
+            cached = self._attach_states(seq, cached, shared)
         seq.num_cached = seq.num_computed = cached
         if self.draft_kv is not None:
             seq.draft_len = cached
 
+    def _attach_states(self, seq: Sequence, cached: int, shared: int) -> int:
+        """A hybrid's start (returned): the restored snapshot's position, else 0 (GPU blocks hold no state);
+        then the captures of the positions its snapshots will need, past that start."""
+        if shared < 0:
+            cached = self._trim(seq, 0)
+        self._count("gpu", max(shared, 0))  # blocks shared below the restored position
+        hint = seq.cache_hint
+        if hint is None or self.states is None:
+            return cached
+        positions = []
+        with self._lock:
+            if self.prefix is not None and len(hint.bounds) >= 2:
+                b = hint.bounds[-2]
+                key = hint.keys.get(b)
+                if key is not None and cached < b and self.cfg.min_tokens <= b and key not in self.prefix:
+                    positions.append(b)
+            n = len(seq.prompt_ids) - 1
+            if self.exact is not None and cached < n and self.cfg.min_tokens <= n and hint.exact_key not in self.exact:
+                positions.append(n)
+        self.states.plan(seq, positions)
+        return cached
+
+    def _trim(self, seq: Sequence, n_tokens: int) -> int:
+        """Keep the sequence's first `n_tokens` (a whole number of blocks) and give the other blocks back."""
+        keep = n_tokens // self.kv.block_size
+        self.kv.pool.decref(seq.block_table[keep:])
+        del seq.block_table[keep:]
+        return keep * self.kv.block_size
+
     def _usable(self, snap: Snapshot | None) -> bool:
-        """A snapshot restores only with everything the engine needs (the drafter's context too, when on)."""
-        return snap is not None and (self.draft_kv is None or snap.draft_kv is not None)
+        """A snapshot restores only with everything the engine needs (the drafter's context too, when on; a
+        hybrid's recurrent state)."""
+        return snap is not None and (self.draft_kv is None or snap.draft_kv is not None) and (
+            self.states is None or self.states.fits(snap.conv, snap.ssm))
 
     @staticmethod
     def _held(snap: Snapshot) -> Snapshot:
@@ -342,36 +393,47 @@ class PrefixCache:
             return
         prompt = seq.prompt_ids
         computed = self._valid(seq)
+        # A hybrid's states captured on the way (position -> capture); a snapshot needs the one at its end.
+        captures = self.states.take(seq) if self.states is not None else {}
         if self.prefix is not None and len(hint.bounds) >= 2:
             b = hint.bounds[-2]  # everything before the newest turn's content
             key = hint.keys.get(b)
-            if key is not None and self.cfg.min_tokens <= b <= computed:
-                self._start_copy(seq, "prefix", key, prompt[:b], b)
+            if key is not None and self.cfg.min_tokens <= b <= computed and (self.states is None or b in captures):
+                self._start_copy(seq, "prefix", key, prompt[:b], b, captures.pop(b, None))
         n = len(prompt) - 1
-        if self.exact is not None and self.cfg.min_tokens <= n <= computed:
-            self._start_copy(seq, "exact", hint.exact_key, prompt, n)
+        if self.exact is not None and self.cfg.min_tokens <= n <= computed and (self.states is None or n in captures):
+            self._start_copy(seq, "exact", hint.exact_key, prompt, n, captures.pop(n, None))
+        for capture in captures.values():
+            capture.release()
 
-    def _start_copy(self, seq: Sequence, tier: str, key: str, tokens: list[int], n: int) -> None:
-        """Snapshot positions [0, n) of `seq` under `key`: size check, room, host buffer, then the async copy."""
+    def _start_copy(self, seq: Sequence, tier: str, key: str, tokens: list[int], n: int,
+                    capture: StateCapture | None = None) -> None:
+        """Snapshot positions [0, n) of `seq` under `key` (with a hybrid's state at n, `capture`, released
+        here or once copied): size check, room, host buffer, then the async copy."""
         pool = self.prefix if tier == "prefix" else self.exact
         assert pool is not None
         kv_bytes = snapshot_bytes(self.kv, n)
         draft_bytes = snapshot_bytes(self.draft_kv, n) if self.draft_kv is not None else 0
+        state_bytes = self.states.nbytes if capture is not None and self.states is not None else 0
+        size = kv_bytes + draft_bytes + state_bytes + 4 * len(tokens)
         counters = self.counters[tier]
-        if any(p.key == key and p.tier == tier for p in self.pending):
-            return  # in flight (perhaps from before a clear, so no longer reserved)
         with self._lock:
-            if key in pool or pool.pending(key):
-                return
-            if pool.max_bytes is not None and kv_bytes + draft_bytes + 4 * len(tokens) > pool.max_bytes:
+            room = False
+            if any(p.key == key and p.tier == tier for p in self.pending) or key in pool or pool.pending(key):
+                pass  # present, or in flight (perhaps from before a clear, so no longer reserved)
+            elif pool.max_bytes is not None and size > pool.max_bytes:
                 counters.too_big += 1
-                return
-            if len(self.pending) >= MAX_COPIES or not pool.reserve(key, kv_bytes + draft_bytes + 4 * len(tokens)):
+            elif len(self.pending) >= MAX_COPIES or not pool.reserve(key, size):
                 counters.no_room += 1
-                return
+            else:
+                room = True
+        if not room:
+            if capture is not None:
+                capture.release()
+            return
         blocks = list(seq.block_table[:self.kv.blocks_for(n)])
         self.kv.pool.incref(blocks)  # nobody writes them (they stay allocated) until the copy is done
-        p = PendingCopy(tier, key, list(tokens), n, blocks, (kv_bytes, draft_bytes))
+        p = PendingCopy(tier, key, list(tokens), n, blocks, (kv_bytes, draft_bytes), capture=capture)
         self.pending.append(p)
         dev = self.kv.data.device
         if dev.type != "cuda":
@@ -390,22 +452,30 @@ class PrefixCache:
     def _copy(self, p: PendingCopy) -> None:
         """Take the host buffer and start the copies of `p` (the copier thread on CUDA, else the engine's)."""
         kv_bytes, draft_bytes = p.nbytes
+        states = self.states if p.capture is not None else None
+        at = buffer_layout(kv_bytes, draft_bytes, states.conv_bytes if states is not None else 0)
         buffer = None
         try:
-            buffer = self.host.acquire(aligned(kv_bytes) + draft_bytes)
+            buffer = self.host.acquire(at[1] + states.nbytes if states is not None else aligned(kv_bytes) + draft_bytes)
             if buffer is None:
                 return
             p.kv = buffer.view(snapshot_shape(self.kv, p.n), self.kv.data.dtype)
             p.copies.append(gather_kv_into(self.kv, p.blocks, p.n, p.kv, after=p.after))
             if self.draft_kv is not None:
-                p.draft_kv = buffer.view(snapshot_shape(self.draft_kv, p.n), self.draft_kv.data.dtype,
-                                         aligned(kv_bytes))
+                p.draft_kv = buffer.view(snapshot_shape(self.draft_kv, p.n), self.draft_kv.data.dtype, at[0])
                 p.copies.append(gather_kv_into(self.draft_kv, p.blocks, p.n, p.draft_kv, after=p.after))
+            if states is not None and p.capture is not None:  # host to host, once the capture's copy is done
+                p.capture.wait()
+                p.state = tuple(view.copy_(src) for view, src in zip(states.views(buffer, at[1]),
+                                                                     (p.capture.conv, p.capture.ssm)))
             p.buffer, buffer = buffer, None
         finally:
             if buffer is not None:  # the copy did not start: nothing reads the buffer
                 p.copies.clear()
                 buffer.release()
+            if p.capture is not None:
+                p.capture.release()
+                p.capture = None
             p.started.set()
 
     def poll(self) -> int:
@@ -428,7 +498,7 @@ class PrefixCache:
                 self.counters[p.tier].no_room += 1
                 continue
             with self._lock:
-                entry = pool.publish(p.key, p.tokens, p.kv, p.draft_kv, p.buffer)
+                entry = pool.publish(p.key, p.tokens, p.kv, p.draft_kv, p.buffer, p.state)
             if entry is None:  # cleared while copying
                 p.buffer.release()
                 continue
@@ -436,7 +506,7 @@ class PrefixCache:
             if self.disk is not None:
                 p.buffer.retain()  # the writer thread reads it; an eviction meanwhile must not recycle it
                 if not self.disk.put_async(1 if p.tier == "prefix" else 2, p.key, p.tokens, p.kv, p.draft_kv,
-                                           done=p.buffer.release):
+                                           done=p.buffer.release, state=p.state):
                     p.buffer.release()
         self.pending = still
         return len(still)

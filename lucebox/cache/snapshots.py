@@ -95,6 +95,14 @@ def aligned(nbytes: int) -> int:
     return -(-nbytes // 16) * 16
 
 
+def buffer_layout(kv_bytes: int, draft_bytes: int, conv_bytes: int) -> tuple[int, int, int]:
+    """Offsets in a snapshot's host buffer of the drafter KV, the conv state and the ssm state (a hybrid
+    model's, fp32), after the KV at 0; the buffer's size is the last offset plus the ssm state's bytes."""
+    draft_at = aligned(kv_bytes)
+    conv_at = aligned(draft_at + draft_bytes)
+    return draft_at, conv_at, aligned(conv_at + conv_bytes)
+
+
 def snapshot_bytes(kv: KVCache, n_tokens: int) -> int:
     """Bytes of the KV of `n_tokens` positions of `kv` in a snapshot (known before any copy)."""
     d = kv.data
@@ -218,6 +226,8 @@ class Snapshot:
     _order: int = 0  # recency for eviction (a counter: wall-clock times can tie)
     draft_kv: torch.Tensor | None = None  # the DFlash drafter's context KV of the same positions, if any
     buffer: HostBuffer | None = None  # the host memory kv and draft_kv live in (a HostBufferPool's), if any
+    conv: torch.Tensor | None = None  # a hybrid model's recurrent state at position n_kv (state_snapshots.py)
+    ssm: torch.Tensor | None = None
 
     @property
     def n_kv(self) -> int:
@@ -225,7 +235,7 @@ class Snapshot:
 
     @property
     def nbytes(self) -> int:
-        extra = self.draft_kv.numel() * self.draft_kv.element_size() if self.draft_kv is not None else 0
+        extra = sum(t.numel() * t.element_size() for t in (self.draft_kv, self.conv, self.ssm) if t is not None)
         return self.kv.numel() * self.kv.element_size() + self.tokens.nbytes + extra
 
 
@@ -339,7 +349,8 @@ class SnapshotPool:
         self._reserved.pop(key, None)
 
     def publish(self, key: str, tokens: Sequence[int] | np.ndarray, kv: torch.Tensor,
-                draft_kv: torch.Tensor | None = None, buffer: HostBuffer | None = None) -> Snapshot | None:
+                draft_kv: torch.Tensor | None = None, buffer: HostBuffer | None = None,
+                state: tuple[torch.Tensor, torch.Tensor] | None = None) -> Snapshot | None:
         """Make a reserved entry visible, its copy being complete; None if the reservation is gone (a clear).
 
         The entry takes over the caller's reference to `buffer` (released on eviction), unless it returns None.
@@ -348,12 +359,15 @@ class SnapshotPool:
             return None
         now = time.time()
         entry = Snapshot(key, np.array(tokens, dtype=np.int32), kv, now, now, draft_kv=draft_kv, buffer=buffer)
+        if state is not None:
+            entry.conv, entry.ssm = state
         self._touch(entry)
         self._entries[key] = entry
         return entry
 
     def put(self, key: str, tokens: Sequence[int] | np.ndarray, kv: torch.Tensor,
-            draft_kv: torch.Tensor | None = None) -> Snapshot | None:
+            draft_kv: torch.Tensor | None = None, state: tuple[torch.Tensor, torch.Tensor] | None = None
+            ) -> Snapshot | None:
         """Store a snapshot (replacing one under the same key), evicting by the tier's rule.
 
         The size is checked before anything is copied or evicted. Without a host pool, a
@@ -361,7 +375,8 @@ class SnapshotPool:
         copied: the caller must not write into it afterwards (`gather_kv`'s result is such a
         tensor); with one, the KV is copied into a buffer of it. `draft_kv` is a DFlash
         drafter's context KV of the same positions (restored with the target's, so
-        speculation works on a hit). Returns None if it cannot fit.
+        speculation works on a hit), `state` a hybrid model's (conv, ssm) state at the KV's end. Returns None
+        if it cannot fit.
         """
         for t in (kv, draft_kv):
             if t is not None and (t.dim() != 5 or t.shape[1] != 2):
@@ -370,21 +385,26 @@ class SnapshotPool:
             raise ValueError(f"drafter KV of {draft_kv.shape[2]} positions for target KV of {kv.shape[2]}")
         kv_bytes = kv.numel() * kv.element_size()
         draft_bytes = draft_kv.numel() * draft_kv.element_size() if draft_kv is not None else 0
-        if not self.reserve(key, kv_bytes + draft_bytes + 4 * len(tokens)):
+        state_bytes = sum(t.numel() * t.element_size() for t in state) if state is not None else 0
+        if not self.reserve(key, kv_bytes + draft_bytes + state_bytes + 4 * len(tokens)):
             return None
         buffer = None
         if self.host is not None:
-            buffer = self.host.acquire(aligned(kv_bytes) + draft_bytes)
+            at = buffer_layout(kv_bytes, draft_bytes, state[0].numel() * 4 if state is not None else 0)
+            buffer = self.host.acquire(at[2] + state[1].numel() * 4 if state is not None else at[0] + draft_bytes)
             if buffer is None:
                 self.unreserve(key)
                 return None
             kv = buffer.view(tuple(kv.shape), kv.dtype).copy_(kv)
             if draft_kv is not None:
-                draft_kv = buffer.view(tuple(draft_kv.shape), draft_kv.dtype, aligned(kv_bytes)).copy_(draft_kv)
+                draft_kv = buffer.view(tuple(draft_kv.shape), draft_kv.dtype, at[0]).copy_(draft_kv)
+            if state is not None:
+                state = tuple(buffer.view(tuple(t.shape), t.dtype, o).copy_(t) for t, o in zip(state, at[1:]))
         else:
             kv = self._host_copy(kv)
             draft_kv = self._host_copy(draft_kv) if draft_kv is not None else None
-        return self.publish(key, tokens, kv, draft_kv, buffer)
+            state = tuple(self._host_copy(t) for t in state) if state is not None else None
+        return self.publish(key, tokens, kv, draft_kv, buffer, state)
 
     def _host_copy(self, kv: torch.Tensor) -> torch.Tensor:
         if kv.device.type == "cpu" and kv.is_contiguous() and (kv.is_pinned() or not self.pin):

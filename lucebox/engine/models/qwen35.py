@@ -23,8 +23,11 @@ reads q/k head h % k_heads; HF groups them, h // (v_heads / k_heads)).
 
 The recurrent states live in runtime/recurrent_state.py; each step's `StateRows` says which slot each
 chunk reads and writes. A prefill chunk runs the chunked (WY) form of the delta rule from its slot's state
-(zeros at position 0); the step's one-row decodes run one batched recurrent update. Plain torch, fp32
-states: the CPU path and the reference (no CUDA graphs or fused Triton blocks for this family yet).
+(zeros at position 0), in pieces cut where the prefix cache keeps a state (`StateRows.captures`); the step's
+one-row decodes run one batched recurrent update; a speculative verification (a chain or a DDTree) runs
+its rows one depth at a time, each from its parent row's state (conv windows along the row's ancestors),
+and keeps every row's state for the acceptance. Plain torch, fp32 states: the CPU path and the reference
+(no CUDA graphs or fused Triton blocks for this family yet).
 """
 
 from __future__ import annotations
@@ -144,15 +147,35 @@ class DeltaNetBlock(_Block):
             q, k, v = self._qkv(F.silu((window * weight).sum(-1)))
             out[:nd], ssm = recurrent_gated_delta_step(q, k, v, g[:nd], beta[:nd], ssm)
             rows.stage(layer, slots, window[..., 1:], ssm)
-        for i, (start, n, fresh) in enumerate(rows.chunks):
+        for i, (start, n, position, slot) in enumerate(rows.chunks):
             slots = rows.slots[nd + i: nd + i + 1]
             conv, ssm = rows.read(layer, slots)
-            if fresh:  # position 0: transformers' zero left padding, and an empty state
+            if rows.trees[i] is not None:  # a verification: every row from its parent's state, all kept
+                window, levels = rows.tree(i, weight.shape[-1])
+                ext = torch.cat((conv[0], mixed[start:start + n].T), dim=-1)[:, window]  # [C, n, K]
+                q, k, v = self._qkv(F.silu((ext * weight[:, None, :]).sum(-1)).T)
+                states = torch.empty(n + 1, *ssm.shape[1:], dtype=torch.float32, device=h.device)
+                states[0] = ssm[0]
+                for r, parents in levels:  # one batched recurrent step per depth
+                    at = start + r
+                    out[at], states[r + 1] = recurrent_gated_delta_step(q[r], k[r], v[r], g[at], beta[at],
+                                                                        states[parents])
+                rows.stage_verified(layer, slot, ext[..., 1:].transpose(0, 1), states[1:])
+                continue
+            if position == 0:  # transformers' zero left padding, and an empty state
                 conv, ssm = torch.zeros_like(conv), torch.zeros_like(ssm)
             ext = torch.cat((conv[0], mixed[start:start + n].T), dim=-1)  # [C, K-1+n]
             q, k, v = self._qkv(F.silu(F.conv1d(ext[None], weight[:, None, :], groups=self.conv_dim)[0].T))
-            out[start:start + n], s = chunk_gated_delta(q, k, v, g[start:start + n], beta[start:start + n], ssm[0])
-            rows.stage(layer, slots, ext[None, :, ext.shape[1] - conv.shape[-1]:], s[None])
+            # The delta rule runs in pieces that end where the prefix cache keeps a state (then at the end).
+            s, done, kept = ssm[0], 0, conv.shape[-1]
+            for cut, capture in [*rows.captures[i], (n, None)]:
+                if cut > done:
+                    part = slice(start + done, start + cut)
+                    out[part], s = chunk_gated_delta(q[done:cut], k[done:cut], v[done:cut], g[part], beta[part], s)
+                    done = cut
+                if capture is not None:  # after `cut` rows the conv keeps the inputs ext[cut: cut + K-1]
+                    rows.capture(layer, capture, ext[:, cut:cut + kept], s)
+            rows.stage(layer, slots, ext[None, :, ext.shape[1] - kept:], s[None])
         z = self.attn_gate(x).view(-1, self.v_heads, self.v_dim)
         y = self.ssm_norm(out.to(h.dtype)) * F.silu(z.float()).to(h.dtype)
         return self.ffn(h + self.ssm_out(y.reshape(h.shape[0], -1)))

@@ -107,11 +107,13 @@ class LLMEngine:
         except ValueError as exc:
             raise LuceboxError(str(exc)) from None
         self.memory_plan: MemoryPlan | None = None
+        # A hybrid's recurrent state slots and rows per verification: the memory plan's on CUDA (None: no cap).
+        self.state_slots, self.verify_rows = self.config.max_num_seqs, None
         self.warm_up_seconds: float | None = None  # set by warm_up
         self.warm_up_end: float | None = None  # time.monotonic() when the warm-up ended (ready to serve)
         # The drafter loads first, so the memory plan counts its weights and its share of each KV block.
-        self.hybrid = loaded.config.is_hybrid  # recurrent layers: no state snapshots or rollback yet
-        drafter = self._load_drafter(Path(self.config.draft)) if self.config.draft and not self.hybrid else None
+        self.hybrid = loaded.config.is_hybrid  # recurrent layers: per-sequence states (runtime/recurrent_state.py)
+        drafter = self._load_drafter(Path(self.config.draft)) if self.config.draft else None
         if self.device.type == "cuda" and (self.config.kv_tokens is None or self.config.gpu_memory is not None):
             self.memory_plan = self._plan_memory(drafter)
         elif self.config.gpu_memory is not None:
@@ -130,7 +132,7 @@ class LLMEngine:
             num_blocks = max(2, -(-self._default_kv_tokens() // block_size) + 1)
         try:
             self.kv = KVCache.create(loaded.config, num_blocks, block_size, loaded.dtype, self.device,
-                                     kv_dtype=self.kv_dtype, state_slots=self.config.max_num_seqs)
+                                     kv_dtype=self.kv_dtype, state_slots=self.state_slots)
         except torch.cuda.OutOfMemoryError:
             raise LuceboxError(f"a KV cache of {num_blocks * block_size} tokens does not fit in device memory "
                                "(lower --kv-tokens or --ctx-size)") from None
@@ -190,13 +192,20 @@ class LLMEngine:
         draft and verify. EngineConfig.draft does this at construction, inside the memory plan."""
         from lucebox.engine.spec.dflash import SpecDecoder
 
-        if self.hybrid:
-            log.warning("speculative decoding is off: %s is a hybrid (recurrent) model and rejected drafts "
-                        "cannot be rolled back out of its states yet; decoding plainly", self.model_config.arch)
-            return
         drafter = drafter if drafter is not None else self._load_drafter(draft)
-        self.set_speculation(SpecDecoder(drafter, self.loaded.model, self.kv, ddtree=ddtree, budget=budget,
-                                         dtype=self.loaded.dtype))
+        if self.verify_rows == 0:
+            log.warning("speculative decoding is off: the recurrent states of even one verification of 2 rows "
+                        "(%.1f MiB each) do not fit the memory plan", RecurrentStates.bytes_per_slot(
+                            self.model_config) / 2**20)
+            return
+        spec = SpecDecoder(drafter, self.loaded.model, self.kv, ddtree=ddtree, budget=budget, dtype=self.loaded.dtype,
+                           max_rows=self.verify_rows)
+        if self.hybrid:
+            slot = RecurrentStates.bytes_per_slot(self.model_config)
+            log.info("speculation on a hybrid: a verification keeps %d rows x %.1f MiB of recurrent state per "
+                     "sequence (%.2f GiB for %d sequences)", spec.rows_per_step, slot / 2**20,
+                     spec.rows_per_step * slot * self.state_slots / 2**30, self.state_slots)
+        self.set_speculation(spec)
         self.draft_path = Path(draft)
         log.info("speculative decoding: DFlash drafter %s (%d layers, block %d)%s", draft,
                  drafter.cfg.num_layers, drafter.cfg.block_size, f", DDTree budget {budget}" if ddtree else "")
@@ -215,10 +224,6 @@ class LLMEngine:
         from lucebox.cache.manager import PrefixCache
         from lucebox.cache.markers import ChatMarkers, NoChatMarkers
 
-        if self.hybrid:
-            log.warning("prefix cache is off: %s is a hybrid (recurrent) model and cached blocks cannot restore "
-                        "its recurrent states yet; every prompt is computed in full", self.model_config.arch)
-            return
         markers = None
         if template is not None:
             try:
@@ -231,6 +236,8 @@ class LLMEngine:
             dc = self.spec.drafter.cfg
             extra["drafter"] = [model_identity(self.draft_path) if self.draft_path is not None else "unnamed",
                                 dc.num_layers, dc.num_kv_heads, dc.head_dim]
+        if self.kv.states is not None:  # a hybrid's snapshots hold its recurrent state (cache/state_snapshots.py)
+            extra["state"] = [list(shape) for shape in self.kv.states.shapes()]
         layout = layout_id(model_path=self.loaded.path, kv_dtype=self.kv.kv_dtype, block_size=self.kv.block_size,
                            n_ctx=self.n_ctx, template_sha1=template.sha1 if template is not None else "",
                            num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, extra=extra)
@@ -252,7 +259,9 @@ class LLMEngine:
         self.scheduler.decode_rows = spec.rows_per_step if spec else 1
         self.scheduler.on_release = spec.release if spec else None
         static = self.config.spec_static
-        if spec is not None and (static or (static is None and self.device.type == "cuda" and self.config.cuda_graphs)):
+        # (not for a hybrid: its verification keeps every row's recurrent state, eagerly)
+        if spec is not None and not self.hybrid and (
+                static or (static is None and self.device.type == "cuda" and self.config.cuda_graphs)):
             from lucebox.engine.spec.static import StaticSpec
 
             spec.static = StaticSpec(spec, self.config.max_num_seqs, self.n_ctx)
@@ -275,8 +284,6 @@ class LLMEngine:
         cap = mp.apply_cap(dev, cfg.gpu_memory) if cfg.gpu_memory is not None else None
         torch.cuda.synchronize(dev)
         weights = torch.cuda.memory_allocated(dev)
-        if self.hybrid:  # the recurrent state slots (and the scratch one) are allocated with the KV pool
-            weights += (cfg.max_num_seqs + 1) * RecurrentStates.bytes_per_slot(self.model_config)
         free, _ = torch.cuda.mem_get_info(dev)
         budget = cap if cap is not None else torch.cuda.memory_reserved(dev) + int(free * mp.UNCAPPED_SHARE)
         per_token = KVCache.bytes_per_token(self.model_config, self.loaded.dtype, self.kv_dtype)
@@ -306,6 +313,19 @@ class LLMEngine:
         activations = max(mp.extrapolate_peak(measured.prefill, self.n_ctx), measured.decode)
         # One decode graph's workspace (the graphs share one pool) plus the static outputs: twice the step.
         graphs = 2 * measured.graph + spec_outputs + mp.slack(budget)
+        if self.hybrid:  # state slots (and the scratch one) next to the KV pool, each verified row's state
+            slot = RecurrentStates.bytes_per_slot(self.model_config)
+            rows = (cfg.ddtree_budget + 1 if cfg.ddtree else drafter.cfg.block_size) if drafter is not None else 0
+            self.state_slots, self.verify_rows = mp.state_slots(
+                room=budget - weights - activations - graphs, slot_bytes=slot, max_seqs=cfg.max_num_seqs,
+                verify_rows=rows)
+            weights += (self.state_slots + 1) * slot
+            activations += self.state_slots * self.verify_rows * slot
+            if self.state_slots < cfg.max_num_seqs or self.verify_rows < rows:
+                log.info("memory plan: %d recurrent state slots of %.1f MiB (--max-num-seqs %d; more sequences wait "
+                         "for a slot)%s", self.state_slots, slot / 2**20, cfg.max_num_seqs,
+                         f", verification capped at {self.verify_rows} rows (of {rows})" if self.verify_rows < rows
+                         else "")
         plan = mp.plan_memory(budget=budget, capped=cap is not None, weights=weights, activations=activations,
                               graphs=graphs, block_bytes=per_token * cfg.block_size, block_size=cfg.block_size,
                               min_tokens=chunk, max_tokens=None if cap is not None else 4 * self.n_ctx)

@@ -119,8 +119,6 @@ class ModelRunner:
         parts = [*ids, *pos, *slots, np.asarray(logit_rows, dtype=np.int64)]
         states = self.kv.states
         if states is not None:  # every chunk's state slot (the decodes' for one batched gather)
-            if verifies:
-                raise ValueError("speculative verification is not supported for hybrid (recurrent) models")
             parts.append(np.asarray([c.seq.state_slot for c in order], dtype=np.int64))
         # Attention groups: (first row, indices into `order`, has a draft tree); each adds its block
         # tables [n_seqs, blocks], context lengths [n_seqs] and, for trees, ancestor bits [rows].
@@ -145,8 +143,10 @@ class ModelRunner:
         input_ids, positions, slot_mapping, logits_t = take(row), take(row), take(row), take(len(logit_rows))
         state = None
         if states is not None:
-            state = StateRows(states, len(decodes), take(len(order)),
-                              [(row_starts[j], c.n, c.start == 0) for j, c in enumerate(order) if j >= len(decodes)])
+            nd = len(decodes)
+            state = StateRows(states, nd, take(len(order)),
+                              [(row_starts[nd + j], c.n, c.start, c.seq.state_slot) for j, c in enumerate(order[nd:])],
+                              trees=[(c.parents or list(range(-1, c.n - 1))) if c.verify else None for c in order[nd:]])
         meta = AttentionMetadata(slot_mapping, bs, window=self.cfg.sliding_window if self.cfg.has_sliding_layers
                                  else None)
         for first, idx, has_tree in groups:

@@ -3,19 +3,32 @@
 A Gated DeltaNet layer (models/qwen35.py) carries two states per sequence from one step to the next: the
 last `conv_kernel - 1` inputs of its causal conv, and the [v_heads, k_dim, v_dim] delta-rule matrix. They
 live in fixed slots of two fp32 tensors; a running sequence owns one slot (`Sequence.state_slot`), handed
-out by the scheduler with its first KV blocks and given back when it is preempted or finishes, so the
-slot count bounds the running set as the block count bounds its tokens. A slot is not cleared when it is
+out by the scheduler at admission (before the prefix cache attaches: a hit restores a state into it) and
+given back when it is preempted or finishes, so the slot count (the memory plan's, memory_plan.state_slots)
+bounds the running set as the block count bounds its tokens. A slot is not cleared when it is
 handed out: a chunk that starts at position 0 reads zeros instead of its slot. Slot 0 is never handed
 out: like KV block 0 it is scratch, for rows of sequences that own none (the CUDA memory probe's).
 
 A step's new states are kept aside (`StateRows.stage`) and written to the slots only after the whole
 forward pass (`StateRows.commit`): a step that raises leaves every state as it was, so the engine can run
 its chunks again one by one, as it does for the KV cache (whose writes are idempotent).
+
+The prefix cache needs a sequence's state at a few positions its prompt passes through (a turn boundary,
+the end of the prompt): it plans a `StateCapture` per position on the sequence's slot (`plan`), the
+prefill chunk that reaches the position splits its delta rule there and the commit copies that state into
+the capture's host tensors (asynchronously on CUDA, ordered after the forward pass). No device memory is
+held for it beyond the step.
+
+A speculative verification (engine/spec) runs the draft's rows from the slot's state one depth at a time,
+each row (a tree node) from its parent's state, and keeps every row's state (`verified`: rows x one slot's
+bytes per verifying sequence, the verification's state budget) until `accept` writes the state of the
+last accepted row to the slot: a rejected suffix leaves no trace.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -25,6 +38,25 @@ from lucebox.engine.models.config import ModelConfig
 
 class OutOfStates(RuntimeError):
     """Raised when a sequence needs a state slot and none is free."""
+
+
+@dataclass(eq=False)
+class StateCapture:
+    """The state a sequence has at `position` (after its first `position` tokens), to be copied into `conv`
+    [linear layers, conv channels, kernel - 1] and `ssm` [linear layers, v_heads, k_dim, v_dim] (host
+    tensors, pinned on CUDA) by the step that reaches it. `release` gives their memory back to the planner."""
+
+    position: int
+    conv: torch.Tensor
+    ssm: torch.Tensor
+    release: Callable[[], None]
+    written: bool = False
+    event: torch.cuda.Event | None = None  # recorded after the copies (CUDA)
+
+    def wait(self) -> None:
+        """Block until the host tensors hold the state (a no-op on the CPU)."""
+        if self.event is not None:
+            self.event.synchronize()
 
 
 class RecurrentStates:
@@ -40,6 +72,13 @@ class RecurrentStates:
         self.ssm = torch.zeros(n, 1 + num_slots, cfg.linear_v_heads, cfg.linear_k_dim, cfg.linear_v_dim,
                                dtype=torch.float32, device=device)
         self._free: deque[int] = deque(range(1, 1 + num_slots))
+        self.captures: dict[int, list[StateCapture]] = {}  # slot -> planned captures (the prefix cache's)
+        # slot -> per linear layer (conv [rows, C, K-1], ssm [rows, Hv, Dk, Dv]) of its last verification's rows
+        self.verified: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def shapes(self) -> tuple[torch.Size, torch.Size]:
+        """Shapes of one slot's conv and ssm states over every linear layer (what a capture or snapshot holds)."""
+        return self.conv[:, 0].shape, self.ssm[:, 0].shape
 
     @staticmethod
     def bytes_per_slot(cfg: ModelConfig) -> int:
@@ -62,8 +101,36 @@ class RecurrentStates:
         return self._free.popleft()
 
     def free(self, slot: int) -> None:
+        """Give a slot back; captures still planned on it are dropped (their memory released)."""
         assert 0 < slot <= self.num_slots and slot not in self._free, f"free of unowned state slot {slot}"
+        for capture in self.take_captures(slot):
+            capture.release()
+        self.verified.pop(slot, None)
         self._free.append(slot)
+
+    def accept(self, slot: int, row: int) -> None:
+        """After a verification: the slot's state becomes the one after verified row `row` (the last accepted
+        one); the other rows' states are dropped."""
+        for layer, (conv, ssm) in enumerate(self.verified.pop(slot)):
+            self.conv[layer, slot] = conv[row]
+            self.ssm[layer, slot] = ssm[row]
+
+    def plan(self, slot: int, capture: StateCapture) -> None:
+        """Keep the state of the sequence in `slot` at `capture.position` when a prefill chunk reaches it."""
+        self.captures.setdefault(slot, []).append(capture)
+
+    def take_captures(self, slot: int) -> list[StateCapture]:
+        """The captures planned on `slot` (written or not), now the caller's to release."""
+        return self.captures.pop(slot, [])
+
+    def read_slot(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of one slot's conv and ssm states over every linear layer."""
+        return self.conv[:, slot], self.ssm[:, slot]
+
+    def write_slot(self, slot: int, conv: torch.Tensor, ssm: torch.Tensor) -> None:
+        """Set one slot's states (a prefix-cache restore; from pinned memory the copy is asynchronous)."""
+        self.conv[:, slot].copy_(conv, non_blocking=conv.is_pinned())
+        self.ssm[:, slot].copy_(ssm, non_blocking=ssm.is_pinned())
 
 
 @dataclass
@@ -71,15 +138,59 @@ class StateRows:
     """Which state slot each chunk of a step reads and writes: the hybrid model's per-step input.
 
     The step's flat rows start with `n_decode` one-row decodes (one batched recurrent update, slots
-    `slots[:n_decode]`); every other chunk is (first row, rows, fresh) and runs alone, chunked, with the
-    slot `slots[n_decode + i]`.
+    `slots[:n_decode]`); every other chunk is (first row, rows, start position, slot) and runs alone,
+    chunked, with the slot `slots[n_decode + i]`. `captures[i]`: (offset in the chunk, capture) for the
+    captures planned on that chunk's slot at a position the chunk reaches (0 <= offset <= rows).
+    `trees[i]`: a verification chunk's row parents (-1: the slot's state; a chain is a tree too), None for
+    a prefill chunk; its rows' states are kept for `RecurrentStates.accept` instead of written.
     """
 
     states: RecurrentStates
     n_decode: int
     slots: torch.Tensor  # [chunks] int64, on the states' device: each chunk's slot, in layout order
-    chunks: list[tuple[int, int, bool]]
+    chunks: list[tuple[int, int, int, int]]
+    captures: list[list[tuple[int, StateCapture]]] = field(default_factory=list)
+    trees: list[list[int] | None] = field(default_factory=list)
     _staged: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list, repr=False)
+    _captured: list[tuple[int, StateCapture, torch.Tensor, torch.Tensor]] = field(default_factory=list, repr=False)
+    _verified: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict, repr=False)
+    _trees: dict[int, tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]] = field(default_factory=dict,
+                                                                                          repr=False)
+
+    def __post_init__(self) -> None:
+        planned = self.states.captures
+        self.captures = [sorted(((c.position - start, c) for c in planned.get(slot, ())
+                                 if not c.written and start <= c.position <= start + n), key=lambda x: x[0])
+                         for _, n, start, slot in self.chunks]
+        self.trees = self.trees or [None] * len(self.chunks)
+
+    def tree(self, i: int, kernel: int) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Verification chunk `i` as the DeltaNet layers run it: the conv window of each row [rows, kernel] as
+        columns of [slot conv state (kernel - 1) | the chunk's rows], and its depths, shallowest first, as
+        (rows, their parents) with states indexed 0 = the slot's, 1 + r = after row r. Built once a step."""
+        if i not in self._trees:
+            parents = self.trees[i]
+            assert parents is not None
+            window, depth, levels = [], [], {}
+            for r, p in enumerate(parents):
+                depth.append(0 if p < 0 else depth[p] + 1)
+                levels.setdefault(depth[r], ([], []))
+                levels[depth[r]][0].append(r)
+                levels[depth[r]][1].append(p + 1)
+                cols, a = [], r
+                for m in range(kernel):  # the input m positions back: an ancestor row, else the slot's conv
+                    cols.append(kernel - 1 + a if a >= 0 else kernel - 1 + depth[r] - m)
+                    a = parents[a] if a >= 0 else -1
+                window.append(cols[::-1])
+            dev = self.slots.device
+            self._trees[i] = (torch.tensor(window, device=dev),
+                              [(torch.tensor(rows, device=dev), torch.tensor(ps, device=dev))
+                               for _, (rows, ps) in sorted(levels.items())])
+        return self._trees[i]
+
+    def stage_verified(self, layer: int, slot: int, conv: torch.Tensor, ssm: torch.Tensor) -> None:
+        """Keep the states after every row of a verification ([rows, C, K-1], [rows, Hv, Dk, Dv])."""
+        self._verified.setdefault(slot, []).append((conv, ssm))
 
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(conv, ssm) states of linear layer `layer` for `slots` (copies)."""
@@ -89,9 +200,27 @@ class StateRows:
         """Keep new states of `slots` for `commit` (the forward pass may still raise)."""
         self._staged.append((layer, slots, conv, ssm))
 
+    def capture(self, layer: int, capture: StateCapture, conv: torch.Tensor, ssm: torch.Tensor) -> None:
+        """Keep one layer's state at `capture.position` ([channels, kernel - 1], [v_heads, k_dim, v_dim])."""
+        self._captured.append((layer, capture, conv, ssm))
+
     def commit(self) -> None:
-        """Write every staged state to its slot (after the whole forward pass succeeded)."""
+        """Write every staged state to its slot and every captured one to its host tensors (after the whole
+        forward pass succeeded)."""
         for layer, slots, conv, ssm in self._staged:
             self.states.conv[layer].index_copy_(0, slots, conv.to(torch.float32))
             self.states.ssm[layer].index_copy_(0, slots, ssm)
+        done: dict[int, StateCapture] = {}
+        for layer, capture, conv, ssm in self._captured:
+            capture.conv[layer].copy_(conv, non_blocking=True)
+            capture.ssm[layer].copy_(ssm, non_blocking=True)
+            done[id(capture)] = capture
+        for capture in done.values():
+            if self.states.conv.device.type == "cuda":
+                capture.event = torch.cuda.Event()
+                capture.event.record()
+            capture.written = True
+        self.states.verified.update(self._verified)
         self._staged.clear()
+        self._captured.clear()
+        self._verified.clear()

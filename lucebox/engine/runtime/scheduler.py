@@ -97,8 +97,13 @@ class Scheduler:
                 break
             chunks.append(Chunk(seq, seq.num_computed, n))
             budget -= n
+        states = self.kv.states
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if states is not None and not seq.state_slot:  # before the cache: a hit restores its state there
+                if states.num_free == 0:
+                    break
+                seq.state_slot = states.allocate()
             if self.cache is not None and not seq.cache_attached:
                 seq.cache_attached = True
                 self.cache.attach(seq)  # may start it from cached blocks / a restored snapshot
@@ -111,13 +116,8 @@ class Scheduler:
                 self.cache.evict(need - self.kv.pool.num_free)
             if need > self.kv.pool.num_free:
                 break
-            states = self.kv.states
-            if states is not None and states.num_free == 0:
-                break
             self.waiting.popleft()
             seq.block_table.extend(self.kv.pool.allocate(max(need, 0)))
-            if states is not None:
-                seq.state_slot = states.allocate()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             chunks.append(Chunk(seq, seq.num_computed, n))

@@ -44,15 +44,18 @@ class SpecStats:
 
 class SpecDecoder:
     def __init__(self, drafter: DFlashDrafter, target: DecoderModel, target_kv: KVCache, *, ddtree: bool = False,
-                 budget: int = 22, dtype: torch.dtype | None = None) -> None:
+                 budget: int = 22, dtype: torch.dtype | None = None, max_rows: int | None = None) -> None:
+        """`max_rows` caps the rows of one verification (a chain's block, a tree's nodes + 1): a hybrid
+        target keeps a recurrent state per verified row, and the memory plan says how many fit."""
         self.drafter = drafter
         self.target = target
         self.target_kv = target_kv
         self.block = drafter.cfg.block_size
+        self.chain = self.block if max_rows is None else min(self.block, max_rows)  # a chain verification's rows
         self.ddtree = ddtree
-        self.budget = budget
-        if ddtree and budget + 1 > MAX_TREE_ROWS:
-            raise ValueError(f"DDTree budget {budget}: at most {MAX_TREE_ROWS - 1} (verification trees of up to "
+        self.budget = budget if max_rows is None else min(budget, max_rows - 1)
+        if ddtree and self.budget + 1 > MAX_TREE_ROWS:
+            raise ValueError(f"DDTree budget {self.budget}: at most {MAX_TREE_ROWS - 1} (verification trees of up to "
                              f"{MAX_TREE_ROWS} rows)")
         self.capture = tuple(drafter.cfg.target_layer_ids)
         self.device = target_kv.data.device
@@ -78,7 +81,7 @@ class SpecDecoder:
     @property
     def rows_per_step(self) -> int:
         """Rows a sequence brings to one verification (for KV reservation)."""
-        return self.budget + 1 if self.ddtree else self.block
+        return self.budget + 1 if self.ddtree else self.chain
 
     # ----- drafter context ----------------------------------------------------
 
@@ -148,7 +151,7 @@ class SpecDecoder:
             drafts = logprobs.argmax(-1).tolist()
             for c, d in zip(chunks, drafts):
                 d = c.seq.constraint.fit_draft(d) if c.seq.constraint is not None else d
-                out.append(Chunk(c.seq, c.start, self.block, tokens=[c.seq.token_ids[c.start]] + d))
+                out.append(Chunk(c.seq, c.start, self.chain, tokens=[c.seq.token_ids[c.start]] + d[:self.chain - 1]))
         else:
             k = 8 if self.budget > self.block - 1 else 1
             top_v, top_i = logprobs.topk(k, dim=-1)
@@ -168,9 +171,10 @@ class SpecDecoder:
         """Walk the verified draft; returns the committed tokens (accepted drafts + the target's next token).
 
         `choose(row, accepted_so_far)` is the target's choice at a verified row (the
-        engine's sampler). Compacts the accepted rows' KV to consecutive positions,
-        sets the sequence's computed length, and appends their features to the
-        drafter context. The caller appends the tokens and applies stop rules.
+        engine's sampler). Compacts the accepted rows' KV to consecutive positions
+        (a hybrid's recurrent state: the one after the last of them), sets the
+        sequence's computed length, and appends their features to the drafter context.
+        The caller appends the tokens and applies stop rules.
         """
         path, tokens = walk(chunk, choose)
         seq, p0 = chunk.seq, chunk.start
@@ -181,6 +185,9 @@ class SpecDecoder:
             src = torch.tensor([kv.slot(seq.block_table, a) for a, _ in moves], device=self.device)
             dst = torch.tensor([kv.slot(seq.block_table, b) for _, b in moves], device=self.device)
             kv.data[:, :, dst] = kv.data[:, :, src]
+        if self.target_kv.states is not None:  # a hybrid: the recurrent state after the last kept row
+            # (forced tokens replace the verified ones: the caller keeps only the last known token, row 0)
+            self.target_kv.states.accept(seq.state_slot, 0 if seq.forced_tokens else path[-1])
         rows = torch.tensor(path, device=self.device)
         self.extend_context(seq, p0, [f[rows] for f in features])
         self.record(seq, p0, len(path))

@@ -1,0 +1,166 @@
+"""DFlash speculation on the Qwen3.5 hybrid: a verification keeps every row's recurrent state (every node's,
+for a DDTree) and the accepted row's becomes the sequence's, so a rejected suffix rolls back exactly.
+
+fp32 greedy on the CPU, against plain decoding of the same engine configuration: a random tiny drafter
+(through the real drafter, chain and tree; it rarely agrees with the target, so nearly every draft is
+rolled back), and a drafter that knows plain decoding's continuation but ranks a wrong token first at every
+fourth position (chains then accept a few tokens and reject the rest; trees take the runner-up sibling),
+so acceptance, partial rejection and tree branches all happen. Prefill chunks run in the same steps.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from lucebox.engine.runtime.llm_engine import EngineConfig, LLMEngine
+from lucebox.engine.runtime.sampler import SamplingParams
+from lucebox.engine.runtime.sequence import Chunk
+from lucebox.engine.spec.dflash import SpecDecoder
+from lucebox.engine.spec.drafter import DFlashDrafter, drafter_config_for, save_drafter
+from lucebox.engine.weights.loader import read_model_config
+from tests.fixtures.tiny_models import write_tiny_qwen35_gguf
+
+N = 14  # tokens generated per prompt
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny tensors: one thread is faster, and far faster while other processes load the cores."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return [int(t) for t in torch.randint(3, 380, (n,), generator=torch.Generator().manual_seed(seed))]
+
+
+PROMPTS = [prompt(25, 9), prompt(40, 10)]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("qwen35_spec")
+    out = {"qwen35": write_tiny_qwen35_gguf(root / "dense.gguf"),
+           "qwen35moe": write_tiny_qwen35_gguf(root / "moe.gguf", moe=True)}
+    cfg = read_model_config(out["qwen35"])
+    dcfg = drafter_config_for(cfg, layers=1, block_size=6, mask_token_id=cfg.vocab_size - 1)
+    save_drafter(DFlashDrafter.random(dcfg, seed=0, std=0.2), root / "drafter")
+    out["drafter"] = root / "drafter"
+    return out
+
+
+def engine(path: Path, **kw) -> LLMEngine:
+    return LLMEngine.from_path(path, EngineConfig(device="cpu", dtype="float32", max_step_tokens=16, kv_tokens=2048,
+                                                  **kw), quiet=True)
+
+
+def greedy() -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=N, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def plain(files) -> dict[str, list[list[int]]]:
+    return {arch: engine(files[arch]).generate(PROMPTS, greedy()) for arch in ("qwen35", "qwen35moe")}
+
+
+class KnowingDrafter(SpecDecoder):
+    """Drafts plain decoding's continuation (`answers`: prompt -> output) with certainty, except that at every
+    fourth position a wrong token is ranked first and the right one a close second: a chain stops there, a
+    tree takes that runner-up as its one branch and follows the continuation under it."""
+
+    answers: dict[tuple[int, ...], list[int]]
+
+    def draft_logprobs(self, chunks: list[Chunk]) -> torch.Tensor:
+        vocab = self.drafter.cfg.vocab_size
+        out = torch.full((len(chunks), self.block - 1, vocab), -30.0)
+        for g, c in enumerate(chunks):
+            seq = c.seq
+            full = list(seq.prompt_ids) + self.answers[tuple(seq.prompt_ids)]
+            for d in range(self.block - 1):
+                pos = c.start + 1 + d
+                right = full[pos] if pos < len(full) else 0
+                wrong = (right + 7) % vocab
+                out[g, d, right] = 0.0
+                if pos % 4 == 3:
+                    out[g, d, wrong], out[g, d, right] = 0.0, -0.2
+        return out.log_softmax(-1).to(self.device)
+
+
+@pytest.mark.parametrize("ddtree", [False, True], ids=["chain", "ddtree"])
+@pytest.mark.parametrize("arch", ["qwen35", "qwen35moe"])
+def test_random_drafter_equals_plain(files, plain, arch: str, ddtree: bool) -> None:
+    """The real drafter path (drafter context from the hybrid's captured layers, proposals, verification
+    beside prefill chunks): plain decoding's tokens, every state slot given back."""
+    e = engine(files[arch], draft=str(files["drafter"]), ddtree=ddtree, ddtree_budget=9)
+    assert e.spec is not None and e.spec.static is None
+    assert e.generate(PROMPTS, greedy()) == plain[arch]
+    assert e.spec.stats.steps > 0
+    assert e.kv.states.num_free == e.kv.states.num_slots and not e.kv.states.verified
+
+
+@pytest.mark.parametrize("ddtree", [False, True], ids=["chain", "ddtree"])
+def test_rollback_after_partial_acceptance(files, plain, ddtree: bool) -> None:
+    """Drafts accepted in part: the state after the last accepted row (node) is kept, the rejected rows'
+    dropped, so decoding goes on as plain decoding does."""
+    e = engine(files["qwen35"], draft=str(files["drafter"]), ddtree=ddtree, ddtree_budget=9)
+    knowing = KnowingDrafter(e.spec.drafter, e.loaded.model, e.kv, ddtree=ddtree, budget=9, dtype=e.loaded.dtype)
+    knowing.answers = {tuple(p): out for p, out in zip(PROMPTS, plain["qwen35"])}
+    e.set_speculation(knowing)
+    assert e.generate(PROMPTS, greedy()) == plain["qwen35"]
+    stats = knowing.stats
+    assert stats.acceptance_length > (4.0 if ddtree else 2.5), stats  # drafts accepted (in trees off the chain)
+    assert stats.committed < stats.steps * e.spec.block, stats  # ... and rejected in part
+
+
+def test_with_the_prefix_cache(files, plain) -> None:
+    """Speculation and the prefix cache together: a hit restores the target's KV and state and the drafter's
+    context; decoding from it gives plain decoding's tokens."""
+    from lucebox.cache.manager import CacheConfig
+
+    e = engine(files["qwen35"], draft=str(files["drafter"]))
+    e.enable_prefix_cache(CacheConfig(gpu=True, min_tokens=16))
+    for _ in range(2):
+        seqs = [e.new_sequence(p, greedy()) for p in PROMPTS]
+        for s in seqs:
+            s.cache_hint = e.cache.prepare(s.prompt_ids)
+            e.scheduler.add(s)
+        while e.has_work():
+            e.step()
+        e.cache.poll()
+        assert [s.output_ids for s in seqs] == plain["qwen35"]
+    assert [s.num_cached for s in seqs] == [len(p) - 1 for p in PROMPTS]
+
+
+@pytest.mark.parametrize("ddtree", [False, True], ids=["chain", "ddtree"])
+def test_verification_rows_capped(files, plain, ddtree: bool) -> None:
+    """Where the memory plan caps a verification's rows (`max_rows`), a chain verifies a shorter block and a
+    tree fewer nodes: fewer tokens per step, the same tokens."""
+    e = engine(files["qwen35"], draft=str(files["drafter"]))
+    knowing = KnowingDrafter(e.spec.drafter, e.loaded.model, e.kv, ddtree=ddtree, budget=9, dtype=e.loaded.dtype,
+                             max_rows=3)
+    knowing.answers = {tuple(p): out for p, out in zip(PROMPTS, plain["qwen35"])}
+    e.set_speculation(knowing)
+    assert knowing.rows_per_step == 3 and e.scheduler.decode_rows == 3
+    assert e.generate(PROMPTS, greedy()) == plain["qwen35"]
+    assert 2.0 < knowing.stats.acceptance_length <= 3.0, knowing.stats
+
+
+def test_state_budget_from_the_memory_plan() -> None:
+    """The plan's rule on the Qwen3.5-27B's 149.6 MiB state: on a 24 GB card (~6 GB left after weights,
+    activations and graphs) 20 slots rather than --max-num-seqs 64 (9.6 GB); a DDTree-22 verification's 23
+    rows then fit one sequence only, capped to 19 rows; an H200's ~100 GB take all 64 plainly, and the
+    sequences verifying 16-row chains that fit."""
+    from lucebox.engine.runtime.memory_plan import state_slots
+
+    slot, gb = int(149.6 * 2**20), 1 << 30
+    assert state_slots(room=6 * gb, slot_bytes=slot, max_seqs=64) == (20, 0)
+    assert state_slots(room=6 * gb, slot_bytes=slot, max_seqs=64, verify_rows=23) == (1, 19)
+    assert state_slots(room=6 * gb, slot_bytes=slot, max_seqs=64, verify_rows=16) == (1, 16)
+    assert state_slots(room=100 * gb, slot_bytes=slot, max_seqs=64) == (64, 0)
+    assert state_slots(room=100 * gb, slot_bytes=slot, max_seqs=64, verify_rows=16) == (20, 16)
+    assert state_slots(room=gb // 2, slot_bytes=slot, max_seqs=64, verify_rows=16) == (1, 0)  # no speculation
