@@ -274,6 +274,42 @@ def test_kernel_split_keys_merge_to_the_reference(splits, window):
 
 
 @needs_kernel
+@pytest.mark.parametrize("window", [None, 20])
+@pytest.mark.parametrize("splits", [None, 4])
+def test_kernel_ragged_group_equals_each_chunk_alone(splits, window):
+    """A step's prefill chunks in one ragged launch (fresh prompts, chunks after cached prefixes off the block
+    grid, one row from a prompt's middle; different lengths, key splits) equal each chunk in a group of its
+    own through the reference path."""
+    chunks = [([0], 37, True), ([53], 9, False), ([0], 3, True), ([200], 64, False), ([17], 1, False)]
+    cases = [Case(starts=s, q_len=n, page=16, hq=8, hkv=2, dim=64, fresh=f, seed=i)
+             for i, (s, n, f) in enumerate(chunks)]
+    # One cache for all: each case's blocks moved to its own range of the shared cache.
+    k_cache, v_cache, tables, ctx = [], [], [], []
+    for c in cases:
+        base = sum(t.shape[0] for t in k_cache) // 16
+        k_cache.append(c.k_cache)
+        v_cache.append(c.v_cache)
+        tables.append([b + base for b in c.tables[0]])
+        ctx.append(c.starts[0] + c.q_len)
+    k_all, v_all = torch.cat(k_cache), torch.cat(v_cache)
+    lens = [c.q_len for c in cases]
+    starts = np.cumsum([0] + lens[:-1]).tolist()
+    bt = torch.from_numpy(pad_tables(tables, -(-max(ctx) // 16))).to(DEVICE)
+    q = torch.cat([c.q for c in cases])
+    q_pos = torch.cat([torch.from_numpy(c.q_pos) for c in cases]).to(DEVICE)
+    tile_rows = triton_attention.ragged_config(64, q.dtype, 4)[0] // 4
+    tiles = triton_attention.ragged_tiles(lens, tile_rows, pad_to=40)  # padded, as a CUDA graph holds it
+    assert (tiles >= 0).sum() == sum(-(-n // tile_rows) for n in lens) and tiles[-1] == -1
+    out = triton_attention.prefill_attention(
+        q, k_all, v_all, bt, torch.tensor(ctx, device=DEVICE), q_pos, None, q_len=max(lens), max_ctx=max(ctx),
+        page=16, scale=64 ** -0.5, window=window, splits=splits, q_lens=torch.tensor(lens, device=DEVICE),
+        q_starts=torch.tensor(starts, device=DEVICE), tiles=torch.from_numpy(tiles).to(DEVICE))
+    for c, a in zip(cases, starts):
+        ref = c.run(window, kernel=False)
+        assert (out[a: a + c.q_len] - ref).abs().max().item() < 2e-4
+
+
+@needs_kernel
 def test_kernel_chunked_prefill_equals_one_pass():
     """A prompt prefilled in chunks (boundaries off the block grid) equals the fresh one-pass prompt."""
     page, n, hq, hkv, dim = 16, 150, 4, 2, 64
@@ -349,6 +385,35 @@ def test_runner_mixed_step_is_one_transfer_and_equals_each_chunk_alone(engine):
             kv.pool.decref(s.block_table)
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="the ragged group is laid out where the CUDA kernels run")
+def test_runner_lays_prefill_chunks_out_as_one_ragged_group_equal_to_each_alone(smollm2_path):
+    """On CUDA a step's prefill chunks (fresh prompts and chunks after cached prefixes) are one attention
+    group, beside the decode rows; each chunk's logits equal that chunk on a step of its own."""
+    from lucebox.engine.runtime.llm_engine import EngineConfig, LLMEngine
+    from lucebox.engine.runtime.sampler import SamplingParams
+    from lucebox.engine.runtime.sequence import Chunk, Sequence
+
+    eng = LLMEngine.from_path(smollm2_path, EngineConfig(device="cuda", dtype="float32", kv_tokens=2048,
+                                                         cuda_graphs=False), quiet=True)
+    runner, kv, rng = eng.runner, eng.kv, random.Random(1)
+    seqs = []
+    for n in (41, 30, 90, 9, 17):
+        s = Sequence([rng.randrange(1000) for _ in range(n)], SamplingParams())
+        s.block_table = kv.pool.allocate(kv.blocks_for(n + 8))
+        seqs.append(s)
+    a, b, c, d, e = seqs
+    runner.forward(runner.prepare([Chunk(a, 0, 40), Chunk(b, 0, 20), Chunk(c, 0, 33)]))  # cached contexts
+    chunks = [Chunk(d, 0, 9), Chunk(c, 33, 57), Chunk(a, 40, 1), Chunk(e, 0, 17), Chunk(b, 20, 10)]
+    inputs = runner.prepare(chunks)
+    groups = inputs.meta.groups
+    assert [(g.row_start, g.n_seqs, g.q_len, g.n_rows) for g in groups] == [(0, 1, 1, 0), (1, 4, 57, 93)]
+    assert groups[1].q_lens.tolist() == [9, 57, 17, 10] and groups[1].q_starts.tolist() == [0, 9, 66, 83]
+    mixed = runner.forward(inputs)
+    for i, ch in enumerate(mixed.inputs.order):
+        alone = runner.forward(runner.prepare([ch]))
+        torch.testing.assert_close(mixed.chunk_logits(i), alone.chunk_logits(0), atol=2e-4, rtol=1e-4)
+
+
 @needs_kernel
 def test_warm_up_launches_every_variant_and_leaves_the_cache_alone() -> None:
     """The start-up compile pass runs each (rows, split, window, tree) variant through the real entry point."""
@@ -357,7 +422,7 @@ def test_warm_up_launches_every_variant_and_leaves_the_cache_alone() -> None:
     k0, v0 = k.clone(), v.clone()
     n = triton_attention.warm_up(k, v, num_heads=4, page=16, scale=0.25, max_rows=20, window=8, tree=True,
                                  context=40)
-    # lengths {5, 17, 19, 20, 32, 48, 64, 112} x 2 windows x 3 split counts, and again with tree bits for
-    # the 7 lengths a tree can have (<= 64 rows)
-    assert n == 8 * 2 * 3 + 7 * 2 * 3
+    # 3 tile configs (fp32, rows 2..20: 16, 32 and 64-row tiles) x 2 windows x 5 split counts x (causal,
+    # tree bits), and the ragged config x 2 windows x 5 split counts
+    assert n == 3 * 2 * 5 * 2 + 2 * 5
     assert torch.equal(k, k0) and torch.equal(v, v0)

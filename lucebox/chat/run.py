@@ -163,13 +163,15 @@ class GenerationRun:
         reason = "stop"
         try:
             async for new in engine.stream(self.gen):
+                batch: list[Event] = []
                 for token in new:
                     if pipeline.in_reasoning:
                         reasoning_tokens += 1
-                    for ev in pipeline.push(detok.push(token)):
-                        if isinstance(ev, ToolCallEnd):
-                            self.tool_calls.append(ev)
-                        yield ev
+                    batch.extend(pipeline.push(detok.push(token)))
+                for ev in merge_events(batch):  # tokens that arrived together go out as one delta
+                    if isinstance(ev, ToolCallEnd):
+                        self.tool_calls.append(ev)
+                    yield ev
                 if self.req.params.logprobs is not None and len(seq.logprobs) > n_lp:
                     self.logprobs.extend(seq.logprobs[n_lp:])
                     n_lp = len(seq.logprobs)

@@ -4,7 +4,11 @@ A step's tokens are laid out flat ([T, heads, head_dim]) and split into
 groups. A group is `n_seqs` sequences that each bring `q_len` new rows:
 - the batched group: every decoding sequence (q_len 1), or every sequence
   verifying a draft block / tree (q_len = block or tree size);
-- one group per prefill chunk (n_seqs 1, q_len = chunk length).
+- one group per prefill chunk (n_seqs 1, q_len = chunk length), or, where
+  the Triton kernels run, one ragged group of every prefill chunk of the step
+  (`q_lens` rows each, from row `q_starts`, its query tiles listed in
+  `tiles`): one launch per layer instead of one per chunk, which a step
+  admitting many prompts needs, and a grid a CUDA graph can hold.
 A group is described compactly, the same way on every path: each sequence's
 block table and context length, each row's position, and for draft trees a
 bitmask of each row's ancestors within the block. Row i of sequence s sits in
@@ -48,6 +52,10 @@ class AttnGroup:
     q_pos: torch.Tensor  # [n_seqs * q_len] position of each row
     tree: torch.Tensor | None = None  # [n_seqs * q_len] int64 ancestor-or-self bits within the block
     fresh: bool = False  # nothing cached before: the rows attend only to each other, causally
+    q_lens: torch.Tensor | None = None  # ragged group (Triton only): [n_seqs] rows of each sequence
+    q_starts: torch.Tensor | None = None  # ragged group: [n_seqs] first row of each sequence, from row_start
+    tiles: torch.Tensor | None = None  # ragged group: its query tiles (triton_attention.ragged_tiles)
+    n_rows: int = 0  # ragged group: its rows (sum of q_lens); else n_seqs * q_len
     _dense: dict[int | None, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
 
 
@@ -165,9 +173,14 @@ def attend_group(
     kernel: bool,
 ) -> torch.Tensor:
     """One group's output [n_seqs * q_len, Hq, D]: the Triton kernels (`kernel`) or the SDPA reference."""
-    rows = slice(g.row_start, g.row_start + g.n_seqs * g.q_len)
+    rows = slice(g.row_start, g.row_start + (g.n_rows or g.n_seqs * g.q_len))
     n, ql = g.n_seqs, g.q_len
     q8 = kv_quant.is_q8(k_cache)
+    if g.q_lens is not None:
+        assert kernel, "ragged groups are laid out only where the Triton kernels run"
+        return triton_attention.prefill_attention(
+            q[rows], k_cache, v_cache, g.block_tables, g.ctx_lens, g.q_pos, None, q_len=ql, max_ctx=g.max_ctx,
+            page=page, scale=scale, window=window, q_lens=g.q_lens, q_starts=g.q_starts, tiles=g.tiles)
     if g.fresh and not q8 and (window is None or ql <= window):
         # Own rows only, plain causal: SDPA's flash path on CUDA.
         qg = q[rows].view(n, ql, q.shape[1], q.shape[2]).transpose(1, 2)

@@ -20,7 +20,9 @@ tests/test_paged_attention.py).
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 try:
@@ -195,27 +197,41 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["stride_btb", "q_len", "window", "n_splits", "split_len", "stride_ab", "stride_as",
                                    "stride_lb", "stride_ls"],
-                do_not_specialize_on_alignment=["BT", "CTX", "QPOS", "TREE"])
+                do_not_specialize_on_alignment=["BT", "CTX", "QPOS", "TREE", "QLENS", "QSTART", "TILES"])
     def _prefill(
-        Q, K, V, KS, VS, OUT, BT, CTX, QPOS, TREE, ACC, LSE,
+        Q, K, V, KS, VS, OUT, BT, CTX, QPOS, TREE, ACC, LSE, QLENS, QSTART, TILES,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_ks, stride_kh, stride_kss, stride_ksh, stride_btb,
         stride_ab, stride_as, stride_ah, stride_lb, stride_ls,
         q_len, qk_scale, window, n_splits, split_len,
         GROUP: tl.constexpr, QT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, HAS_TREE: tl.constexpr, SLIDING: tl.constexpr,
-        SPLIT_KV: tl.constexpr, PRECISION: tl.constexpr, Q8: tl.constexpr,
+        SPLIT_KV: tl.constexpr, PRECISION: tl.constexpr, Q8: tl.constexpr, RAGGED: tl.constexpr,
     ):
         # A tile is QT query rows x the GROUP query heads of one KV head: m = row * GROUP + head.
         # SPLIT_KV: program (tile, seq * n_splits + split) covers keys [split * split_len, +split_len) and
         # writes a partial result for `_merge_splits` (long contexts with few query tiles fill the GPU).
-        tile = tl.program_id(0)
-        seq = tl.program_id(1) // n_splits
-        split = tl.program_id(1) % n_splits
+        # RAGGED: sequence s brings QLENS[s] rows from row QSTART[s]; program (i, split, kvh) runs the query
+        # tile TILES[i] = seq << 32 | tile, listed by the host for every tile of every sequence (-1: padding,
+        # for a grid fixed by a CUDA graph), so no program is spent on a short sequence's missing tiles.
         kvh = tl.program_id(2)
+        if RAGGED:
+            item = tl.load(TILES + tl.program_id(0))
+            if item < 0:
+                return
+            seq = (item >> 32).to(tl.int32)
+            tile = (item & 0xFFFFFFFF).to(tl.int32)
+            split = tl.program_id(1)
+            q_len = tl.load(QLENS + seq)
+            row0 = tl.load(QSTART + seq)
+        else:
+            tile = tl.program_id(0)
+            seq = tl.program_id(1) // n_splits
+            split = tl.program_id(1) % n_splits
+            row0 = seq * q_len
         m = tl.arange(0, BLOCK_M)
         r = tile * QT + m // GROUP
         row_ok = (m // GROUP < QT) & (r < q_len)
-        t = (seq * q_len + r).to(tl.int64)
+        t = (row0 + r).to(tl.int64)
         heads = kvh * GROUP + m % GROUP
         d = tl.arange(0, HEAD_DIM)
         ctx = tl.load(CTX + seq)
@@ -252,7 +268,7 @@ if triton is not None:
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
         bt_row = BT + seq * stride_btb
-        qpos_seq = QPOS + seq * q_len
+        qpos_seq = QPOS + row0
         for n0 in range(lo_t, a, BLOCK_N):
             acc, m_i, l_i = _prefill_tile(acc, m_i, l_i, q, n0, K, V, KS, VS, bt_row, qpos_seq, kvh, stride_ks,
                                           stride_kh, stride_kss, stride_ksh,
@@ -354,6 +370,21 @@ def _prefill_config(dim: int, dtype: torch.dtype, rows: int, group: int) -> tupl
     return block_m, block_n, warps, stages
 
 
+def ragged_config(dim: int, dtype: torch.dtype, group: int) -> tuple[int, int, int, int]:
+    """The ragged group's tile config: one per (dim, dtype, group), whatever the chunks' lengths, so the host
+    can list the tiles (`ragged_tiles`) before the launch and a CUDA graph can hold the launch."""
+    return _prefill_config(dim, dtype, 1 << 20, group)
+
+
+def ragged_tiles(q_lens: Sequence[int], tile_rows: int, pad_to: int = 0) -> np.ndarray:
+    """[max(tiles, pad_to)] int64 `seq << 32 | tile` for every query tile of every sequence, -1 after them.
+    `tile_rows`: query rows per tile, ragged_config's BLOCK_M // group."""
+    items = [(s << 32) | t for s, n in enumerate(q_lens) for t in range(-(-n // tile_rows))]
+    out = np.full(max(len(items), pad_to), -1, dtype=np.int64)
+    out[: len(items)] = items
+    return out
+
+
 @functools.cache
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -390,20 +421,31 @@ def prefill_attention(
     scale: float,
     window: int | None = None,
     splits: int | None = None,
+    q_lens: torch.Tensor | None = None,
+    q_starts: torch.Tensor | None = None,
+    tiles: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [n_seqs * q_len, Hq, D]: q_len new rows per sequence, sequence s's rows in cache slot indices
     ctx_lens[s] - q_len ..; caches [slots, Hkv, D]; block_tables [n_seqs, blocks] int64; q_pos [rows]
     positions; tree [rows] int64 ancestor bits or None (causal); max_ctx >= every ctx_lens. `splits`
     (a power of two) overrides `kv_splits`. Returns [rows, Hq, D]. The grid depends only on
-    (n_seqs, q_len, max_ctx), so it can be captured in a CUDA graph."""
+    (n_seqs, q_len, max_ctx), so it can be captured in a CUDA graph.
+
+    Ragged (every prefill chunk of a step in one launch): `q_lens` [n_seqs] rows of each sequence, from row
+    `q_starts` [n_seqs] of q, and `tiles` (`ragged_tiles`) its query tiles; q_len is then the longest, and
+    the grid depends only on len(tiles) and max_ctx (no tree)."""
     rows, hq, dim = q.shape
     hkv = k_cache.shape[1]
     group = hq // hkv
-    n_seqs = rows // q_len
-    block_m, block_n, warps, stages = _prefill_config(dim, q.dtype, q_len * group, group)
+    ragged = q_lens is not None
+    assert not (ragged and tree is not None), "draft trees are never ragged"
+    assert ragged == (tiles is not None) == (q_starts is not None), "a ragged group needs q_lens, q_starts, tiles"
+    n_seqs = 1 if ragged else rows // q_len
+    block_m, block_n, warps, stages = (ragged_config(dim, q.dtype, group) if ragged
+                                       else _prefill_config(dim, q.dtype, q_len * group, group))
     qt = block_m // group
-    tiles = triton.cdiv(q_len, qt)
-    n_splits = splits or kv_splits(q.device, tiles * n_seqs * hkv, max_ctx, warps)
+    n_tiles = tiles.shape[0] if ragged else triton.cdiv(q_len, qt)
+    n_splits = splits or kv_splits(q.device, n_tiles * n_seqs * hkv, max_ctx, warps)
     per = triton.cdiv(triton.cdiv(max_ctx, n_splits), block_n) * block_n
     out = torch.empty(rows, hq, dim, dtype=q.dtype, device=q.device)
     if n_splits > 1:
@@ -412,15 +454,16 @@ def prefill_attention(
     else:
         acc, lse = out, out  # unused
     ks, vs, stride_kss, stride_ksh, q8 = _scale_args(k_cache, v_cache)
-    _prefill[(tiles, n_seqs * n_splits, hkv)](
+    _prefill[(n_tiles, n_seqs * n_splits, hkv)](
         q, k_cache, v_cache, ks, vs, out, block_tables, ctx_lens, q_pos, tree if tree is not None else q_pos, acc,
-        lse, q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
+        lse, q_lens if ragged else ctx_lens, q_starts if ragged else ctx_lens, tiles if ragged else ctx_lens,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
         stride_kss, stride_ksh,
         block_tables.stride(0), acc.stride(0), acc.stride(1), acc.stride(2), lse.stride(0), lse.stride(1),
         q_len, scale * LOG2E, window or 0, n_splits, per,
         GROUP=group, QT=qt, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=dim, PAGE=page,
         HAS_TREE=tree is not None, SLIDING=window is not None, SPLIT_KV=n_splits > 1,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", Q8=q8,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", Q8=q8, RAGGED=ragged,
         num_warps=warps, num_stages=stages,
     )
     if n_splits > 1:
@@ -464,4 +507,12 @@ def warm_up(k_cache: torch.Tensor, v_cache: torch.Tensor, *, num_heads: int, pag
                     prefill_attention(q, k_cache, v_cache, tables, ctx, pos, t, q_len=q_len, max_ctx=max_ctx,
                                       page=page, scale=scale, window=w, splits=splits)
                     launches += 1
+    # The ragged group (a step's prefill chunks in one launch): one tile config, each window and split count.
+    one = torch.tensor([q_len], device=dev)
+    tiles = torch.from_numpy(ragged_tiles([q_len], ragged_config(dim, dtype, group)[0] // group)).to(dev)
+    for w in ([None, window] if window else [None]):
+        for splits in (1, 2, 4, 8, 16):
+            prefill_attention(q, k_cache, v_cache, tables, ctx, pos, None, q_len=q_len, max_ctx=max_ctx, page=page,
+                              scale=scale, window=w, splits=splits, q_lens=one, q_starts=one * 0, tiles=tiles)
+            launches += 1
     return launches

@@ -179,11 +179,21 @@ class AsyncEngine:
         self._command("force", gen, list(token_ids))
 
     async def stream(self, gen: Generation) -> AsyncIterator[list[int]]:
-        """Yield lists of new token ids until the generation ends (then `gen.finish_reason` is set)."""
+        """Yield lists of new token ids until the generation ends (then `gen.finish_reason` is set).
+
+        Steps that queued up while the consumer was busy (writing the last event to a slow client, or a
+        loop serving many streams) come out as one list, so a loop that falls behind writes fewer, larger
+        events instead of falling further behind."""
         while True:
             item = await gen.queue.get()
             if item is None:
                 return
+            while not gen.queue.empty():
+                more = gen.queue.get_nowait()
+                if more is None:
+                    yield item
+                    return
+                item = item + more
             yield item
 
     # ----- the engine thread --------------------------------------------------

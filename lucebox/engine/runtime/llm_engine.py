@@ -141,9 +141,9 @@ class LLMEngine:
             log.info("recurrent state: %d slots x %.1f MiB (fp32)%s", self.kv.states.num_slots,
                      RecurrentStates.bytes_per_slot(loaded.config) / 2**20,
                      "; CUDA graphs are off for hybrid models (eager decode)" if graphs_off else "")
-        self.runner = ModelRunner(loaded.model, self.kv)
+        self.runner = ModelRunner(loaded.model, self.kv, loaded.dtype)
         if self.config.cuda_graphs and not self.hybrid:
-            self.runner.enable_cuda_graphs(self.config.max_num_seqs, self.n_ctx)
+            self.runner.enable_cuda_graphs(self.config.max_num_seqs, self.n_ctx, self.config.max_step_tokens)
         self.scheduler = Scheduler(
             self.kv,
             max_num_seqs=self.config.max_num_seqs,
@@ -279,6 +279,7 @@ class LLMEngine:
         benchmark's reference model loaded next to it. A drafter (loaded already) adds its context K/V to
         every block, and its CUDA graphs' outputs (one set per batch bucket) to the graph margin."""
         from lucebox.engine.runtime import memory_plan as mp
+        from lucebox.engine.runtime import prefill_graphs
 
         cfg, dev = self.config, self.device
         cap = mp.apply_cap(dev, cfg.gpu_memory) if cfg.gpu_memory is not None else None
@@ -313,6 +314,12 @@ class LLMEngine:
         activations = max(mp.extrapolate_peak(measured.prefill, self.n_ctx), measured.decode)
         # One decode graph's workspace (the graphs share one pool) plus the static outputs: twice the step.
         graphs = 2 * measured.graph + spec_outputs + mp.slack(budget)
+        if cfg.cuda_graphs and not self.hybrid and self.model_config.n_experts == 0:
+            # Prefill graphs (their own pool, replayed beside a decode graph): about one chunk's workspace,
+            # and their logits for every chunk a step can hold.
+            size = torch.tensor([], dtype=self.loaded.dtype).element_size()
+            workspace = mp.extrapolate_peak(measured.prefill, min(self.n_ctx, prefill_graphs.MAX_CTX))
+            graphs += workspace + cfg.max_num_seqs * self.model_config.vocab_size * size
         if self.hybrid:  # state slots (and the scratch one) next to the KV pool, each verified row's state
             slot = RecurrentStates.bytes_per_slot(self.model_config)
             rows = (cfg.ddtree_budget + 1 if cfg.ddtree else drafter.cfg.block_size) if drafter is not None else 0
@@ -348,7 +355,9 @@ class LLMEngine:
             warmup.COMPILES.install()
             limit = min(self.n_ctx - 4, (self.kv.pool.num_blocks - 2) * self.kv.block_size - 4)
             lengths = warmup.shape_lengths(min(self.config.max_step_tokens, limit), limit)
-            total = (len(graphs.buckets()) if graphs else 0) + (len(static.graph_keys()) if static else 0)
+            prefill = self.runner.prefill_graphs
+            total = ((len(graphs.buckets()) if graphs else 0) + (len(static.graph_keys()) if static else 0)
+                     + (len(prefill.buckets) if prefill else 0))
             bar = Progress("warm-up", total + len(lengths), "steps", quiet=not progress)
             self._tune_quant_kernels()  # first: a graph keeps the launch config it was captured with
             self._compile_attention(limit)
@@ -357,14 +366,15 @@ class LLMEngine:
                 greedy_tokens(torch.zeros(1, vocab, device=self.device, dtype=dtype),
                               np.full((1, (vocab + 31) // 32), -1, np.int32))
             captured = graphs.capture_all(bar.advance) if graphs else 0
+            captured_prefill = prefill.capture_all(bar.advance) if prefill else 0
             captured_spec = static.capture_all(bar.advance) if static else 0
             steps = warmup.warm_requests(self, lengths, bar.advance)
             torch.cuda.synchronize(self.device)
             bar.close()
         else:
-            captured = captured_spec = 0
+            captured = captured_prefill = captured_spec = 0
             steps = warmup.warm_requests(self, [1])
-        for g in (graphs, static):
+        for g in (graphs, self.runner.prefill_graphs, static):
             if g is not None:
                 g.ready = True
         self._compiles_at_ready = warmup.COMPILES.count
@@ -373,8 +383,8 @@ class LLMEngine:
         warmup.COMPILES.armed = self.device.type == "cuda"
         self.warm_up_end = time.monotonic()
         self.warm_up_seconds = self.warm_up_end - t
-        log.info("warm-up: %d decode graphs, %d speculative graphs captured, %d steps of every shape class, "
-                 "in %.1fs", captured, captured_spec, steps, self.warm_up_seconds)
+        log.info("warm-up: %d decode graphs, %d prefill graphs, %d speculative graphs captured, %d steps of every "
+                 "shape class, in %.1fs", captured, captured_prefill, captured_spec, steps, self.warm_up_seconds)
         return self.warm_up_seconds
 
     def _compile_attention(self, max_rows: int) -> None:
@@ -403,7 +413,8 @@ class LLMEngine:
     def captures_after_ready(self) -> int:
         """CUDA graphs captured after the warm-up (each one made a request wait): 0 unless it missed a bucket."""
         static = self.spec.static if self.spec is not None else None
-        return sum(g.captures_after_ready for g in (self.runner.graphs, static) if g is not None)
+        return sum(g.captures_after_ready for g in (self.runner.graphs, self.runner.prefill_graphs, static)
+                   if g is not None)
 
     @property
     def compiles_after_ready(self) -> int:
@@ -420,6 +431,7 @@ class LLMEngine:
         return {"done": self.warm_up_end is not None,
                 "seconds": round(self.warm_up_seconds, 3) if self.warm_up_seconds is not None else None,
                 "decode_graphs": len(graphs.graphs) if graphs else 0,
+                "prefill_graphs": len(self.runner.prefill_graphs.graphs) if self.runner.prefill_graphs else 0,
                 "spec_graphs": len(static.graphs) if static else 0,
                 "captures_after_ready": self.captures_after_ready, "compiles_after_ready": self.compiles_after_ready}
 

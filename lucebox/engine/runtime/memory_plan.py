@@ -149,7 +149,8 @@ def measure_activations(model: Any, dtype: torch.dtype, device: torch.device, *,
     from lucebox.engine.runtime.model_runner import ModelRunner
 
     n_blocks = -(-probe_tokens // block_size)
-    runner = ModelRunner(model, KVCache.create(model.cfg, n_blocks + 1, block_size, dtype, device, kv_dtype=kv_dtype))
+    runner = ModelRunner(model, KVCache.create(model.cfg, n_blocks + 1, block_size, dtype, device, kv_dtype=kv_dtype),
+                         dtype)
     try:
         return _probe(runner, device, chunk=chunk, batch=batch, n_ctx=n_ctx, probe_tokens=probe_tokens,
                       graphs=graphs)

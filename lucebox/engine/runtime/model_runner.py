@@ -17,10 +17,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from lucebox.engine.kernels import triton_attention
 from lucebox.engine.kernels.attention import AttentionMetadata, AttnGroup, pad_tables, tree_bits
 from lucebox.engine.models import DecoderModel
 from lucebox.engine.runtime.cuda_graphs import CudaGraphDecoder
 from lucebox.engine.runtime.kv_cache import KVCache
+from lucebox.engine.runtime.prefill_graphs import PrefillGraphs
 from lucebox.engine.runtime.recurrent_state import StateRows
 from lucebox.engine.runtime.sequence import Chunk
 
@@ -64,18 +66,31 @@ def is_decode(c: Chunk) -> bool:
 
 
 class ModelRunner:
-    def __init__(self, model: DecoderModel, kv: KVCache) -> None:
+    def __init__(self, model: DecoderModel, kv: KVCache, dtype: torch.dtype) -> None:
         self.model = model
         self.cfg = model.cfg
         self.kv = kv
         self.device = kv.data.device
         self.graphs: CudaGraphDecoder | None = None
+        self.prefill_graphs: PrefillGraphs | None = None
         self._staging = _Staging(self.device)
+        # A step's prefill chunks share one ragged attention group where the Triton kernels run (one launch
+        # per layer however many prompts a step admits); elsewhere one group each, for the SDPA reference.
+        # (Models whose layers have different query head counts keep a group per chunk: one tile list per step.)
+        self._ragged = (triton_attention.available(self.device) and triton_attention.supports(self.cfg.head_dim)
+                        and not self.cfg.heads_per_layer)
+        group = self.cfg.num_heads // self.cfg.num_kv_heads
+        self._tile_rows = (triton_attention.ragged_config(self.cfg.head_dim, dtype, group)[0] // group
+                           if self._ragged else 0)
 
-    def enable_cuda_graphs(self, max_batch: int, max_ctx: int) -> None:
-        """Replay decode-only steps from captured CUDA graphs (CUDA devices only)."""
+    def enable_cuda_graphs(self, max_batch: int, max_ctx: int, max_rows: int = 0) -> None:
+        """Replay decode steps from captured CUDA graphs, and prefill chunks of up to `max_rows` rows a step
+        too (runtime/prefill_graphs.py) where their attention is one ragged group and nothing in the forward
+        reads the device from the host (a mixture of experts routes on the host). CUDA devices only."""
         if self.device.type == "cuda":
             self.graphs = CudaGraphDecoder(self, max_batch, max_ctx)
+            if max_rows and self._ragged and self.cfg.n_experts == 0:
+                self.prefill_graphs = PrefillGraphs(self, max_rows, max_batch, max_ctx)
 
     @property
     def uses_cuda_graphs(self) -> bool:
@@ -121,7 +136,8 @@ class ModelRunner:
         if states is not None:  # every chunk's state slot (the decodes' for one batched gather)
             parts.append(np.asarray([c.seq.state_slot for c in order], dtype=np.int64))
         # Attention groups: (first row, indices into `order`, has a draft tree); each adds its block
-        # tables [n_seqs, blocks], context lengths [n_seqs] and, for trees, ancestor bits [rows].
+        # tables [n_seqs, blocks], context lengths [n_seqs], for trees ancestor bits [rows], and for the ragged
+        # group of prefill chunks (where the kernels run) the rows of each chunk and their offsets.
         groups: list[tuple[int, list[int], bool]] = []
         i = 0
         if decodes:
@@ -131,13 +147,23 @@ class ModelRunner:
             idx = list(range(i, i + len(verifies)))
             groups.append((row_starts[i], idx, any(order[j].parents is not None for j in idx)))
             i += len(verifies)
-        groups.extend((row_starts[j], [j], False) for j in range(i, len(order)))
-        for _, idx, has_tree in groups:
+        ragged = self._ragged and len(order) - i > 1
+        if ragged:
+            groups.append((row_starts[i], list(range(i, len(order))), False))
+        else:
+            groups.extend((row_starts[j], [j], False) for j in range(i, len(order)))
+        for first, idx, has_tree in groups:
             ctx = [order[j].start + order[j].n for j in idx]
             parts.append(pad_tables([tables[j] for j in idx], -(-max(ctx) // bs)).ravel())
             parts.append(np.asarray(ctx, dtype=np.int64))
             if has_tree:
                 parts.extend(tree_bits(order[j].parents or list(range(-1, order[j].n - 1))) for j in idx)
+            if ragged and idx[0] == i:
+                q_lens = [order[j].n for j in idx]
+                parts.append(np.asarray(q_lens, dtype=np.int64))
+                parts.append(np.asarray([row_starts[j] - first for j in idx], dtype=np.int64))
+                tiles = triton_attention.ragged_tiles(q_lens, self._tile_rows)
+                parts.append(tiles)
         dev = self._staging.to_device(parts)
         take = _Taker(dev)
         input_ids, positions, slot_mapping, logits_t = take(row), take(row), take(row), take(len(logit_rows))
@@ -156,6 +182,12 @@ class ModelRunner:
             bt = take(n_seqs * -(-max_ctx // bs)).view(n_seqs, -1)
             ctx_lens = take(n_seqs)
             tree = take(n_seqs * q_len) if has_tree else None
+            if ragged and idx[0] == i:
+                n_rows = sum(order[j].n for j in idx)
+                meta.groups.append(AttnGroup(first, n_seqs, max(order[j].n for j in idx), max_ctx, bt, ctx_lens,
+                                             positions[first: first + n_rows], q_lens=take(n_seqs),
+                                             q_starts=take(n_seqs), tiles=take(tiles.size), n_rows=n_rows))
+                continue
             meta.groups.append(AttnGroup(first, n_seqs, q_len, max_ctx, bt, ctx_lens,
                                          positions[first: first + n_seqs * q_len], tree,
                                          fresh=c0.start == 0 and not c0.verify))
@@ -184,14 +216,18 @@ class ModelRunner:
                 mixed = self._run_overlapped(decodes, [c for c in chunks if not is_decode(c)])
                 if mixed is not None:
                     return mixed
+            elif self.prefill_graphs is not None:
+                prefilled = self.prefill_graphs.run(chunks)
+                if prefilled is not None:
+                    return prefilled[0], prefilled[1], None
         result = self.forward(self.prepare(chunks))
         return [c for c in result.inputs.order if c.wants_logits], result.logits, None
 
     def _run_overlapped(
         self, decodes: list[Chunk], prefills: list[Chunk]
     ) -> tuple[list[Chunk], torch.Tensor, None] | None:
-        """A step with both: prefill chunks run eagerly on a side stream while the
-        decode batch replays its CUDA graph on the main stream."""
+        """A step with both: the prefill chunks run on a side stream (a prefill graph's replay where they fit
+        one, else eagerly) while the decode batch replays its CUDA graph on the main stream."""
         assert self.graphs is not None
         if self.graphs.buckets_for(len(decodes), max(c.start + 1 for c in decodes)) is None:
             return None
@@ -200,12 +236,14 @@ class ModelRunner:
         side.wait_stream(main)  # only what came before this step
         out = self.graphs.run(decodes)  # captures first if needed, before the side stream gets work
         with torch.cuda.stream(side):
-            result = self.forward(self.prepare(prefills))
+            prefilled = self.prefill_graphs.run(prefills) if self.prefill_graphs is not None else None
+            if prefilled is None:
+                result = self.forward(self.prepare(prefills))
+                prefilled = [c for c in result.inputs.order if c.wants_logits], result.logits
         main.wait_stream(side)
-        result.logits.record_stream(main)
+        prefilled[1].record_stream(main)
         assert out is not None
-        sampled = decodes + [c for c in result.inputs.order if c.wants_logits]
-        return sampled, torch.cat([out[0].float(), result.logits]), None
+        return decodes + prefilled[0], torch.cat([out[0].float(), prefilled[1]]), None
 
     def _side_stream(self) -> torch.cuda.Stream:
         if not hasattr(self, "_stream"):

@@ -1,0 +1,175 @@
+"""Prefill chunks replayed as CUDA graphs: a step that admits prompts without the eager path's launch cost.
+
+Launched one by one from Python, a small model's forward costs far more on the host than on the GPU (on
+SmolLM2, ~16 ms of Python and Triton launches against ~1 ms of kernels), so a step that admits a few
+prompts next to running streams stalled them for tens of milliseconds. Here every prefill chunk of a step
+is one ragged attention group (triton_attention: each chunk's rows, offsets and query tiles listed by the
+host), so the whole forward has fixed shapes once its rows are padded to a bucket:
+- row buckets: 16, 32, 64, then steps of ~1.5x up to the step's token budget;
+- up to `max_seqs` chunks (padding chunks own no rows and no tiles);
+- contexts up to `max_ctx` (MAX_CTX at most: a chunk over a longer context costs the GPU enough that the
+  launches hide behind it, and runs eagerly).
+Every bucket is captured at start-up into a pool of its own (a prefill graph replays on the side stream
+while a decode graph replays on the main one). Padding rows write their K/V into scratch block 0.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from lucebox.engine.kernels import triton_attention
+from lucebox.engine.kernels.attention import AttentionMetadata, AttnGroup, pad_tables
+from lucebox.engine.runtime.sequence import Chunk
+
+log = logging.getLogger(__name__)
+
+MAX_CTX = 4096
+
+
+def row_buckets(max_rows: int) -> list[int]:
+    """16, 32, 64, 96, 128, 192, 256, 384, ... (each ~1.5x the last, multiples of 16), up to `max_rows`."""
+    out, r = [], 16
+    while r < max_rows:
+        out.append(r)
+        r = r * 2 if r < 64 else (r * 3 // 2 + 15) // 16 * 16
+    return out + [max_rows]
+
+
+class _Graph:
+    def __init__(self, graph: torch.cuda.CUDAGraph, rows: int) -> None:
+        self.graph = graph
+        self.rows = rows
+
+
+class PrefillGraphs:
+    """Captures and replays one ModelRunner's prefill steps (ragged chunks), by row bucket."""
+
+    def __init__(self, runner: Any, max_rows: int, max_seqs: int, max_ctx: int) -> None:
+        self.runner = runner
+        self.model = runner.model
+        self.cfg = runner.model.cfg
+        self.kv = runner.kv
+        self.device = runner.device
+        self.page = self.kv.block_size
+        self.buckets = row_buckets(max_rows)
+        self.seqs = max_seqs
+        self.max_ctx = -(-min(max_ctx, MAX_CTX) // self.page) * self.page
+        self.nb = self.max_ctx // self.page
+        self.tile_rows = runner._tile_rows
+        r, p = self.buckets[-1], max_seqs
+        self.max_tiles = -(-r // self.tile_rows) + p
+        # One packed int64 buffer: ids[r] | positions[r] | slots[r] | logit rows[p] | ctx[p] | q_lens[p] |
+        # q_starts[p] | tiles[max_tiles] | block tables[p, nb].
+        self.offsets = np.cumsum([0, r, r, r, p, p, p, p, self.max_tiles, p * self.nb])
+        self.host = torch.zeros(int(self.offsets[-1]), dtype=torch.long, pin_memory=True)
+        self.host_np = self.host.numpy()
+        self.dev = torch.zeros(int(self.offsets[-1]), dtype=torch.long, device=self.device)
+        self.graphs: dict[int, _Graph] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+        # Captured on a stream of their own: cuBLAS keys its workspace by stream, and a prefill graph replays
+        # at the same time as a decode graph (captured on torch's default capture stream).
+        self.capture_stream = torch.cuda.Stream(self.device)
+        self.out_logits: torch.Tensor | None = None  # [seqs, vocab], made at the first capture
+        self.ready = False  # set by the engine's warm-up; a capture after it is counted
+        self.captures_after_ready = 0
+        self.replays = 0
+
+    def _part(self, t: torch.Tensor | np.ndarray, i: int) -> Any:
+        return t[int(self.offsets[i]): int(self.offsets[i + 1])]
+
+    def bucket_for(self, chunks: list[Chunk]) -> int | None:
+        """The row bucket of a step of these chunks, or None where they do not fit a graph."""
+        if len(chunks) > self.seqs or any(c.verify or c.start + c.n > self.max_ctx for c in chunks):
+            return None
+        rows = sum(c.n for c in chunks)
+        return next((b for b in self.buckets if b >= rows), None)
+
+    def capture_all(self, advance: Callable[[int], None] | None = None) -> int:
+        """Capture every bucket not captured yet (start-up, largest first); returns how many were captured."""
+        n = 0
+        for rows in reversed(self.buckets):
+            if rows not in self.graphs:
+                self.graphs[rows] = self._capture(rows)
+                n += 1
+            if advance is not None:
+                advance(1)
+        return n
+
+    def run(self, chunks: list[Chunk]) -> tuple[list[Chunk], torch.Tensor] | None:
+        """(the chunks that sample, their logits [n, vocab]) replayed on the current stream, or None if the
+        chunks fit no graph."""
+        rows = self.bucket_for(chunks)
+        if rows is None:
+            return None
+        g = self.graphs.get(rows)
+        if g is None:  # before the inputs are filled: a capture's own forwards write the input buffers
+            if self.ready:
+                self.captures_after_ready += 1
+                log.warning("prefill graph rows=%d captured while serving (the warm-up missed it)", rows)
+            g = self.graphs[rows] = self._capture(rows)
+        order = [c for c in chunks if c.wants_logits] + [c for c in chunks if not c.wants_logits]
+        self._fill(order, rows)
+        g.graph.replay()
+        self.replays += 1
+        n = sum(c.wants_logits for c in order)
+        assert self.out_logits is not None
+        return order[:n], self.out_logits[:n].float()
+
+    def _fill(self, order: list[Chunk], rows: int) -> None:
+        h, p, bs = self.host_np, self.seqs, self.page
+        ids, pos, slots, logit_rows, ctx, q_lens, q_starts, tiles, tables = (self._part(h, i) for i in range(9))
+        ids[:rows] = pos[:rows] = slots[:rows] = 0  # padding rows: token 0 at position 0, into scratch slot 0
+        logit_rows[:] = ctx[:] = q_lens[:] = q_starts[:] = 0
+        at = 0
+        for i, c in enumerate(order):
+            table = np.asarray(c.seq.block_table, dtype=np.int64)
+            k = np.arange(c.start, c.start + c.n)
+            ids[at: at + c.n] = c.input_ids()
+            pos[at: at + c.n] = k
+            slots[at: at + c.n] = table[k // bs] * bs + k % bs
+            q_starts[i], q_lens[i], ctx[i] = at, c.n, c.start + c.n
+            at += c.n
+            logit_rows[i] = at - 1
+        tiles[:] = triton_attention.ragged_tiles(q_lens[: len(order)].tolist(), self.tile_rows, self.max_tiles)
+        tables.reshape(p, self.nb)[: len(order)] = pad_tables([c.seq.block_table for c in order], self.nb)
+        end = int(self.offsets[8]) + len(order) * self.nb  # the tables of padding chunks are never read
+        self.dev[:end].copy_(self.host[:end], non_blocking=True)
+
+    @torch.inference_mode()
+    def _forward(self, rows: int) -> torch.Tensor:
+        ids, pos, slots, logit_rows, ctx, q_lens, q_starts, tiles, tables = (self._part(self.dev, i)
+                                                                             for i in range(9))
+        ids, pos, slots = ids[:rows], pos[:rows], slots[:rows]
+        tiles = tiles[: -(-rows // self.tile_rows) + self.seqs]
+        group = AttnGroup(0, self.seqs, rows, self.max_ctx, tables.view(self.seqs, self.nb), ctx, pos,
+                          q_lens=q_lens, q_starts=q_starts, tiles=tiles, n_rows=rows)
+        window = self.cfg.sliding_window if self.cfg.has_sliding_layers else None
+        hidden, _ = self.model(ids, pos, self.kv.data, AttentionMetadata(slots, self.page, [group], window))
+        return self.model.logits(hidden[logit_rows])
+
+    @torch.inference_mode()
+    def _capture(self, rows: int) -> _Graph:
+        # Inputs for the capture's forwards: row 0 everywhere (a stale logit row of a larger bucket would
+        # index past this one's rows) and no tiles (they attend nothing). The step's own inputs come after.
+        self.host_np[:] = 0
+        self._part(self.host_np, 7)[:] = -1
+        self.dev.copy_(self.host)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm-up outside the graph (kernel compilation, cuBLAS handles)
+                logits = self._forward(rows)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        if self.out_logits is None:
+            self.out_logits = torch.zeros(self.seqs, logits.shape[-1], dtype=logits.dtype, device=self.device)
+        del logits
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.capture_stream, capture_error_mode="thread_local"):
+            self.out_logits.copy_(self._forward(rows))
+        log.debug("captured prefill graph rows=%d (chunks <= %d, context <= %d)", rows, self.seqs, self.max_ctx)
+        return _Graph(graph, rows)
