@@ -52,6 +52,22 @@ def add_decoding_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-draft", action="store_true", help="plain decoding even when a drafter is available")
     p.add_argument("--ddtree", action="store_true", help="verify a draft tree (DDTree) instead of a chain")
     p.add_argument("--ddtree-budget", type=int, default=None, help="draft tree nodes per verification (default 22)")
+    add_spark_args(p)
+
+
+def add_spark_args(p: argparse.ArgumentParser) -> None:
+    """Spark MoE expert offload (lucebox/engine/spark): hot experts on the device, cold ones in host memory."""
+    p.add_argument("--spark", type=Path, default=None, metavar="PROFILE",
+                   help="serve a MoE model with its experts placed by this profile (`spark calibrate`)")
+    p.add_argument("--expert-gpu-budget", default=None, metavar="GB|N%",
+                   help="device memory for expert weights, ring slots included: GB, or a percentage of the expert "
+                        "bytes (default: the profile's; without --spark, a uniform placement of this budget)")
+    p.add_argument("--spark-ring", type=int, default=None, metavar="N",
+                   help="spare device slots per MoE layer for cold experts, least recently used out (default "
+                        "n_experts/8, at most 32, at most half the budget)")
+    p.add_argument("--spark-cpu-rows", type=int, default=None, metavar="N",
+                   help="compute a cold expert routed to at most N rows of a step on the CPU instead of copying it "
+                        "(default: measured at load, see lucebox/engine/spark/offload.py)")
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -205,6 +221,19 @@ def build_parser() -> argparse.ArgumentParser:
     add_pflash_bench_args(b)
     b.set_defaults(func=_lazy("lucebox.bench.pflash", "main"))
 
+    b = bench.add_parser("spark", help="Spark expert offload: decode tok/s, TTFT and cold-hit rates per placement "
+                         "and budget, and a profile of one traffic kind on another")
+    add_engine_args(b)
+    add_spark_bench_args(b)
+    b.set_defaults(func=_lazy("lucebox.bench.spark", "main"))
+
+    p = sub.add_parser("spark", help="Spark MoE expert offload: calibrate a placement profile on traffic")
+    spark = p.add_subparsers(dest="spark", required=True)
+    c = spark.add_parser("calibrate", help="count routing per (layer, expert) on replayed traffic; write a profile")
+    add_engine_args(c)
+    add_spark_calibrate_args(c)
+    c.set_defaults(func=_lazy("lucebox.engine.spark.calibrate", "main"))
+
     p = sub.add_parser("train-drafter", help="train a DFlash drafter for a target by self-distillation")
     add_train_args(p)
     p.set_defaults(func=_lazy("lucebox.train.command", "main"))
@@ -254,12 +283,59 @@ def add_pflash_bench_args(b: argparse.ArgumentParser) -> None:
     b.add_argument("--json", type=Path, default=Path("bench_pflash.json"), help="where to write the results")
 
 
+def add_spark_bench_args(b: argparse.ArgumentParser) -> None:
+    """The `bench spark` flags (besides the engine flags); lucebox/bench/spark.py says what it measures."""
+    b.add_argument("--budgets", default="40%,60%,80%",
+                   help="expert device budgets, comma-separated: GB or percentages of the expert bytes")
+    b.add_argument("--ring", type=int, default=8, help="ring slots per MoE layer of the +ring rows (default 8)")
+    b.add_argument("--cpu-rows", type=int, default=None,
+                   help="the CPU rule's rows (default: measured at load, lucebox/engine/spark/offload.py)")
+    b.add_argument("--router-skew", default=None, metavar="zipf:S",
+                   help="SIMULATION for random weights: bias router logits to a Zipf popularity of exponent S; "
+                        "labelled in the output")
+    b.add_argument("--shape", default=None, help="benchmark a random-weight qwen3moe of this shape (qwen3-30b-a3b, "
+                   "tiny-moe) with --model's tokenizer, instead of --model")
+    b.add_argument("--mix", default="Q4_K_M", help="--shape: the weights' quant mix (Q4_K_M, Q8_0, F16)")
+    b.add_argument("--prompts", type=int, default=8, help="prompts per traffic kind to calibrate, and to evaluate")
+    b.add_argument("--prompt-len", type=int, default=512, help="prompt tokens at most")
+    b.add_argument("--gen-len", type=int, default=64, help="tokens generated per prompt")
+    b.add_argument("--conversation", type=Path, nargs="+", default=None, metavar="FILE",
+                   help="conversation traffic (default: MT-Bench from the data folder)")
+    b.add_argument("--code", type=Path, nargs="+", default=None, metavar="FILE",
+                   help="code traffic (default: bench_he.jsonl and SWE-bench from the data folder)")
+    b.add_argument("--data-dir", type=Path, default=None, help="data folder (default: lucebox/data)")
+    b.add_argument("--json", type=Path, default=Path("bench_spark.json"), help="where to write the results")
+
+
+def add_spark_calibrate_args(p: argparse.ArgumentParser) -> None:
+    """The `spark calibrate` flags besides the engine flags."""
+    p.add_argument("--traffic", type=Path, nargs="+", required=True, metavar="FILE",
+                   help="prompt files: .jsonl (chat requests: messages / prompt / turns per line), .parquet "
+                        "(SWE-bench issues), .md/.txt (one system prompt each)")
+    p.add_argument("--out", type=Path, required=True, help="the profile to write (JSON)")
+    p.add_argument("--expert-gpu-budget", default="60%", metavar="GB|N%",
+                   help="budget the stored hot set is chosen for: GB of expert weights on the device, or a "
+                        "percentage of the expert bytes (default 60%%; serving re-derives it for its own budget)")
+    p.add_argument("--decode-tokens", type=int, default=0,
+                   help="greedy tokens decoded after each prefill, their routing counted too (default 0)")
+    p.add_argument("--heldout-every", type=int, default=5,
+                   help="hold out every N-th conversation for the predicted cold-hit rate (default 5; 0: none)")
+    p.add_argument("--max-prompt-tokens", type=int, default=4096, help="cut longer prompts (default 4096)")
+    p.add_argument("--batch", type=int, default=8, help="conversations prefilled together (default 8)")
+    p.add_argument("--router-skew", default=None, metavar="zipf:S",
+                   help="SIMULATION for random-weight models: bias router logits to a Zipf popularity of "
+                        "exponent S (see lucebox/engine/spark/simulate.py); recorded in the profile")
+    p.add_argument("--offload-budget", default=None, metavar="GB|N%",
+                   help="for a model that does not fit the device: calibrate with its experts offloaded, a uniform "
+                        "placement of this budget (the counts are the same; only the speed differs)")
+
+
 def add_train_args(p: argparse.ArgumentParser) -> None:
     """`python -m lucebox train-drafter` flags."""
     p.add_argument("--target", "-m", default=None, help="target model: GGUF file, HF folder or known name "
                    "(default smollm2)")
     p.add_argument("--out", type=Path, required=True, help="output folder: the drafter (public layout), "
-                   "train_state.pt, examples.npz, train_log.jsonl, summary.json")
+                   "checkpoint/ (16 MB shards), features.bin, examples.npz, train_log.jsonl, summary.json")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--dtype", default="auto", help="target dtype: auto (fp32 on CPU, bf16 on CUDA) | float32 | "
                    "bfloat16 | float16")
@@ -270,9 +346,14 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sources", default="swe_bench,agent,smoke,math,code,chat,file",
                    help="training prompt sources (comma-separated; see lucebox/train/data.py)")
     g.add_argument("--max-prompts", type=int, default=None, help="use a seeded random subset of this many prompts")
+    g.add_argument("--swe-per-issue", type=int, default=4, help="instructions per SWE-bench issue (1-8)")
+    g.add_argument("--math-prompts", type=int, default=600, help="generated math word problems")
     g.add_argument("--max-prompt-tokens", type=int, default=2048, help="drop longer prompts")
     g.add_argument("--max-new-tokens", type=int, default=256, help="response length the target generates")
     g.add_argument("--temperature", type=float, default=0.0, help="response sampling (0 = greedy)")
+    g.add_argument("--responses", type=int, default=1,
+                   help="responses per prompt: the first at --temperature, the others sampled (seeded)")
+    g.add_argument("--sample-temperature", type=float, default=1.0, help="temperature of the extra --responses")
     g.add_argument("--gen-batch", type=int, default=64, help="sequences generated together")
     g = p.add_argument_group("drafter")
     g.add_argument("--layers", type=int, default=2, help="drafter layers")
@@ -299,9 +380,21 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gamma", type=float, default=None, help="loss decay over block rows (default 7 for B=16)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--feature-cache", choices=["auto", "on", "off"], default="auto",
-                   help="keep the target's features of every example after the first epoch (auto: if they fit in "
-                        "4 GiB of RAM on CPU, 30%% of free GPU memory on CUDA)")
-    g.add_argument("--resume", action="store_true", help="continue from OUT/train_state.pt")
+                   help="capture the target's features of every example once, in OUT/features.bin (memory-mapped, "
+                        "reused by every epoch and --resume; on the GPU when they fit in 30%% of its free memory); "
+                        "off: run the target in every step (auto: on when they fit on the disk)")
+    g.add_argument("--max-rows", type=int, default=None,
+                   help="block rows per packed drafter forward (default 65536 with flex attention, 4096 with dense; "
+                        "a step with more takes several forwards, the same loss: memory only)")
+    g.add_argument("--attention", choices=["auto", "flex", "dense"], default="auto",
+                   help="the packed forward's attention: flex_attention block masks (auto on CUDA) or dense masks "
+                        "(auto on CPU; on CUDA, a fallback)")
+    g.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
+    g.add_argument("--export", action="store_true",
+                   help="only write OUT's drafter (config.json, model.safetensors) from OUT/checkpoint, and exit")
+    g.add_argument("--bench-trainer", type=int, default=0, metavar="STEPS",
+                   help="time STEPS steps of the per-sequence and of the packed training step on the same data, "
+                        "print rows/s of each (OUT/bench_trainer.json), and exit without training")
     g.add_argument("--time-limit", type=float, default=None, help="checkpoint and stop after this many seconds "
                    "of training (continue with --resume)")
     g.add_argument("--time-budget", type=float, default=None, help="fit the step count (and the LR schedule) "
@@ -335,15 +428,20 @@ def cmd_pull(args: argparse.Namespace) -> int:
     return 0
 
 
+def engine_config(args: argparse.Namespace, **overrides: Any) -> Any:
+    """The EngineConfig the engine flags (add_engine_args) ask for."""
+    from lucebox.engine.runtime.llm_engine import EngineConfig
+
+    return EngineConfig(device=args.device, dtype=args.dtype, n_ctx=args.n_ctx,
+                        weights=getattr(args, "weights", "auto"), kv_dtype=getattr(args, "kv_dtype", None) or "auto",
+                        gpu_memory=getattr(args, "gpu_memory", None), **overrides)
+
+
 def engine_from_args(args: argparse.Namespace, **overrides: Any) -> Any:
-    from lucebox.engine.runtime.llm_engine import EngineConfig, LLMEngine
+    from lucebox.engine.runtime.llm_engine import LLMEngine
     from lucebox.fetch import resolve_model
 
-    path = resolve_model(args.model)
-    cfg = EngineConfig(device=args.device, dtype=args.dtype, n_ctx=args.n_ctx,
-                       weights=getattr(args, "weights", "auto"), kv_dtype=getattr(args, "kv_dtype", None) or "auto",
-                       gpu_memory=getattr(args, "gpu_memory", None), **overrides)
-    return LLMEngine.from_path(path, cfg)
+    return LLMEngine.from_path(resolve_model(args.model), engine_config(args, **overrides))
 
 
 def parse_messages(text: str) -> list[dict]:

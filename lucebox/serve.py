@@ -60,6 +60,10 @@ class ServerConfig:
     no_draft: bool = False
     ddtree: bool = False
     ddtree_budget: int = 22
+    spark: Path | None = None  # Spark placement profile (lucebox/engine/spark); None: experts all on the device
+    expert_gpu_budget: str | None = None  # GB or N% of the expert bytes on the device (alone: uniform placement)
+    spark_ring: int | None = None  # ring slots per MoE layer; None: Spark's default
+    spark_cpu_rows: int | None = None  # the CPU rule's rows; None: measured at load
     prefix_cache: bool = True
     gpu_prefix_cache: bool = True
     prefix_cache_slots: int = 32
@@ -119,6 +123,10 @@ class ServerConfig:
             no_draft=bool(getattr(args, "no_draft", False)),
             ddtree=bool(getattr(args, "ddtree", False)),
             ddtree_budget=pick("ddtree_budget", "LUCEBOX_DDTREE_BUDGET", int, 22),
+            spark=pick("spark", "LUCEBOX_SPARK", Path, None),
+            expert_gpu_budget=pick("expert_gpu_budget", "LUCEBOX_EXPERT_GPU_BUDGET", str, None),
+            spark_ring=pick("spark_ring", "LUCEBOX_SPARK_RING", int, None),
+            spark_cpu_rows=pick("spark_cpu_rows", "LUCEBOX_SPARK_CPU_ROWS", int, None),
             prefix_cache=not getattr(args, "no_prefix_cache", False),
             gpu_prefix_cache=not getattr(args, "no_gpu_prefix_cache", False),
             prefix_cache_slots=pick("prefix_cache_slots", "LUCEBOX_PREFIX_CACHE_SLOTS", int, 32),
@@ -154,6 +162,11 @@ class ServerConfig:
             raise LuceboxError(f"--max-body-mb must be at least 1, got {self.max_body_mb}")
         if not self.grace >= 0:
             raise LuceboxError(f"--shutdown-grace must be a number of seconds >= 0, got {self.grace}")
+        spark = self.spark_config()
+        if spark is not None:
+            spark.validate()
+            if self.spark is not None and not self.spark.is_file():
+                raise LuceboxError(f"--spark {self.spark}: no such profile file")
 
         if self.prefill_compression not in PFLASH_MODES:
             raise LuceboxError(f"--prefill-compression must be one of {', '.join(PFLASH_MODES)}, "
@@ -167,6 +180,15 @@ class ServerConfig:
             raise LuceboxError(f"--prefill-drafter {drafter!r} is neither a file or folder nor a known name "
                                f"({', '.join(KNOWN_MODELS)})")
         return self
+
+    def spark_config(self) -> Any:
+        """Spark's settings (lucebox.engine.spark.engine.SparkConfig), or None when the experts stay on the device."""
+        if self.spark is None and self.expert_gpu_budget is None:
+            return None
+        from lucebox.engine.spark.engine import SparkConfig
+
+        return SparkConfig(profile=self.spark, budget=self.expert_gpu_budget, ring=self.spark_ring,
+                           cpu_rows=self.spark_cpu_rows)
 
     def public(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -234,7 +256,14 @@ def load_into(ctx: ServerContext, cfg: ServerConfig) -> Any:
                               kv_tokens=cfg.kv_tokens, gpu_memory=cfg.gpu_memory, max_num_seqs=cfg.max_num_seqs,
                               max_step_tokens=cfg.max_step_tokens, prefill_pacing=cfg.prefill_pacing, draft=draft,
                               ddtree=cfg.ddtree, ddtree_budget=cfg.ddtree_budget)
-    engine = LLMEngine.from_path(path, engine_cfg)
+    if cfg.spark_config() is not None:
+        from lucebox.engine.spark.engine import spark_engine
+
+        engine, spark = spark_engine(path, engine_cfg, cfg.spark_config())
+        ctx.props["spark"] = spark.props
+        spark.register_metrics(ctx.metrics)
+    else:
+        engine, spark = LLMEngine.from_path(path, engine_cfg), None
     loaded = engine.loaded
     names = [loaded.config.name, path.stem, path.stem.split(".")[0], path.name]
     card = resolve_card(cfg, names)
@@ -266,6 +295,8 @@ def load_into(ctx: ServerContext, cfg: ServerConfig) -> Any:
         ctx.props["memory_plan"] = engine.memory_plan.props()
     if cfg.warm_up:
         engine.warm_up()  # still 503 `loading`: ctx.engine is set only once this returns
+        if spark is not None:
+            spark.stats.reset()  # the counters start with the first request, not the warm-up's dummy steps
     prepare_grammars(engine)
     return engine
 

@@ -31,6 +31,7 @@ from lucebox.engine.weights.loader import load_model
 from lucebox.errors import LuceboxError
 from lucebox.train import data
 from lucebox.train.acceptance import measure_acceptance, simulated_acceptance
+from lucebox.train.checkpoint import read_checkpoint
 from lucebox.train.command import EXAMPLES, SUMMARY, TRAIN_LOG, RunOptions, fit_steps, main, run_training
 from lucebox.train.examples import generate_examples, generation_engine
 from lucebox.train.features import TargetFeatures
@@ -43,7 +44,7 @@ from lucebox.train.loss import (
     position_weights,
     sample_anchors,
 )
-from lucebox.train.trainer import STATE, TrainConfig, Trainer, new_drafter
+from lucebox.train.trainer import CHECKPOINT, TrainConfig, Trainer, new_drafter
 from tests.fixtures import tiny_models
 
 DATA = DATA_DIR  # bundled in the repository (lucebox/data): a missing file fails, never skips
@@ -323,7 +324,7 @@ def test_command_caches_examples_and_resumes_where_it_stopped(tiny_gguf, tmp_pat
     whole, part = tmp_path / "whole", tmp_path / "part"
     assert main(cli_args(target, whole, prompts)) == 0
     assert main(cli_args(target, part, prompts, stop_after=6)) == 0
-    state = torch.load(part / STATE, weights_only=True)
+    state = read_checkpoint(part / CHECKPOINT)
     assert state["step"] == 6
     cache = part / EXAMPLES
     stamp = cache.stat().st_mtime_ns

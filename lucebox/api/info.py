@@ -33,7 +33,9 @@ SPECULATIVE_OFF = {"enabled": False, "drafter": None, "block_size": None, "ddtre
 PFLASH_OFF = {"mode": "off", "threshold": None, "keep_ratio": None, "scorer": None}
 PREFIX_CACHE_OFF = {"slots": 0, "in_use": 0, "hits": 0, "exact_slots": 0,
                     "disk": {"dir": None, "bytes": 0, "budget": 0}}
-FEATURES = {"speculative": SPECULATIVE_OFF, "pflash": PFLASH_OFF, "prefix_cache": PREFIX_CACHE_OFF}
+SPARK_OFF = {"enabled": False}  # Spark expert offload (lucebox/engine/spark): its placement and counters when on
+FEATURES = {"speculative": SPECULATIVE_OFF, "pflash": PFLASH_OFF, "prefix_cache": PREFIX_CACHE_OFF,
+            "spark": SPARK_OFF}
 
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 

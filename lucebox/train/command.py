@@ -7,9 +7,14 @@
 2. Responses: the target generates them (greedy by default), batched through
    LLMEngine. The token ids are cached in OUT/examples.npz: a second run, or a
    resumed one, does not regenerate (an interrupted generation resumes too).
-3. Training step, per sequence `tok` (prompt + response, length T):
-   - the frozen target runs one full forward capturing `target_layer_ids`; the
-     feature at position j is those layers' outputs at j (after token j);
+   `--responses N` adds N-1 sampled responses per prompt (`--sample-temperature`,
+   seeded; OUT/examples-1.npz ...).
+3. Target features: before the first step the frozen target runs one full forward
+   per sequence capturing `target_layer_ids` (the feature at position j is those
+   layers' outputs at j, after token j), stored in OUT/features.bin (memory-mapped,
+   reused by every epoch and by --resume; `--feature-cache off`: recomputed in
+   every step instead, for data too large for the disk).
+   Training step, per sequence `tok` (prompt + response, length T):
    - up to `anchors` positions a are drawn among the response positions with
      a <= T-B; anchor a makes the block [tok[a], MASK x (B-1)] at positions
      a..a+B-1, which attends to the context features of positions < a only
@@ -19,11 +24,15 @@
    - row k (1..B-1) predicts tok[a+k]; cross-entropy weighted w_k = exp(-(k-1)/gamma);
      the logits are the target's LM head (the tensor the target itself uses:
      tied embedding or `output`) applied to drafter.norm(h), as at inference.
-   AdamW, linear warm-up then cosine decay, gradient clipping; bf16 autocast on CUDA,
-   fp32 on CPU.
+   All sequences of a step and all their blocks go through the drafter in one packed
+   forward (lucebox.train.packed: flex_attention block masks on CUDA), the same loss as
+   one sequence at a time. AdamW, linear warm-up then cosine decay, gradient clipping;
+   bf16 autocast on CUDA, fp32 on CPU. `--bench-trainer N` times N steps of the
+   per-sequence and of the packed step on the same data instead of training.
 4. Checkpoints: OUT/config.json + OUT/model.safetensors (the public layout, via
-   save_drafter) and OUT/train_state.pt (fp32 weights, optimizer, step) for
-   `--resume`. The acceptance length tau, measured by the real decode loop
+   save_drafter) and OUT/checkpoint/ (fp32 weights, optimizer, step; shards of at most
+   16 MB and an index.json) for `--resume`; `--export` rewrites the public layout from
+   OUT/checkpoint alone. The acceptance length tau, measured by the real decode loop
    (LLMEngine with the drafter, greedy) on held-out prompts, is printed at the
    start (fresh drafter), at checkpoints and at the end.
 
@@ -33,12 +42,14 @@ from the blocks when every response position was an anchor: the metric that must
 equal the decode loop's tau on those sequences; a trainer with an off-by-one shows
 high accuracy and a real tau ~ 1) and `tau(blocks)` = 1 + the mean accepted rows of
 a block (uniform over positions, so optimistic when misses cluster where a decode
-loop's blocks start, right after a rejection).
+loop's blocks start, right after a rejection); then tok/s, rows/s (block rows trained
+per second, the figure `--bench-trainer` compares) and the ETA of the run.
 
 This module is the command: main, and run_training (the loop with its log lines, checkpoints, evaluations
 and run limits). The pieces live beside it: examples.py (step 2), features.py (the target's features),
 loss.py (the objective of step 3), trainer.py (the optimizer and checkpoints), acceptance.py (tau, measured
-and simulated), data.py (step 1's prompts).
+and simulated), data.py (step 1's prompts), packed.py (the packed forward), checkpoint.py (sharded
+checkpoints).
 """
 
 from __future__ import annotations
@@ -62,8 +73,9 @@ from lucebox.train.acceptance import BlockStats, measure_acceptance
 from lucebox.train.examples import generate_examples, generation_engine
 from lucebox.train.log import hms, say
 from lucebox.train.loss import loss_gamma
-from lucebox.train.trainer import TrainConfig, Trainer, lr_at, new_drafter
+from lucebox.train.trainer import FEATURES, TrainConfig, Trainer, export_drafter, lr_at, new_drafter
 
+BENCH = "bench_trainer.json"
 EXAMPLES = "examples.npz"
 TRAIN_LOG = "train_log.jsonl"
 SUMMARY = "summary.json"
@@ -162,7 +174,7 @@ def run_training(trainer: Trainer, opts: RunOptions) -> dict[str, Any]:
 def fit_steps(step: int, done: int, elapsed: float, budget: float, total: int) -> int:
     """The step count that ends near `budget` seconds at the pace so far (never more than `total`).
 
-    The pace includes the first epoch's target forwards, so it errs on the short side."""
+    The pace includes evaluations and checkpoints, so it errs on the short side."""
     left = max(0.0, budget - elapsed)
     return max(step + 1 if step < total else step, min(total, step + int(left / (elapsed / done))))
 
@@ -192,6 +204,22 @@ def evaluate_fresh(loaded: LoadedModel, drafter: DFlashDrafter, opts: RunOptions
         folder.rmdir()
 
 
+def bench_trainer(trainer: Trainer, steps: int, out: Path) -> int:
+    """`--bench-trainer N`: rows/s of the per-sequence and of the packed step, same data, one run
+    (also in OUT/bench_trainer.json)."""
+    res = trainer.bench(steps)
+    res["device"] = str(trainer.device)
+    res["batch"], res["anchors"], res["block"] = trainer.cfg.batch, trainer.cfg.anchors, trainer.drafter.cfg.block_size
+    (out / BENCH).write_text(json.dumps(res, indent=2) + "\n")
+    for mode in ("sequential", "packed"):
+        r = res[mode]
+        say(f"bench trainer: {mode:10s} {r['steps']} steps in {r['seconds']:.2f}s, {r['rows_s']:,.0f} rows/s")
+    say(f"bench trainer: packed / per-sequence = {res['speedup']:.1f}x on {trainer.device} (batch {trainer.cfg.batch}, "
+        f"<= {trainer.cfg.anchors} anchors, block {res['block']}); losses differ by at most "
+        f"{res['max_loss_rel_diff']:.1e} (relative); {out / BENCH}")
+    return 0
+
+
 def main(args: argparse.Namespace) -> int:
     """`python -m lucebox train-drafter`: prompts → target responses → drafter training → tau."""
     from lucebox.chat.prompt import PromptBuilder
@@ -201,6 +229,9 @@ def main(args: argparse.Namespace) -> int:
 
     t_start = time.monotonic()
     out: Path = args.out
+    if args.export:
+        say(f"train-drafter: drafter in {export_drafter(out)} (from {out}/checkpoint)")
+        return 0
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(args.seed)
     ecfg = EngineConfig(device=args.device, dtype=args.dtype)
@@ -212,7 +243,8 @@ def main(args: argparse.Namespace) -> int:
     sources = [s for s in args.sources.split(",") if s]
     if not args.prompts and "file" in sources:
         sources.remove("file")
-    prompts, counts = data.training_prompts(args.data_dir, sources=sources, files=args.prompts, seed=args.seed)
+    prompts, counts = data.training_prompts(args.data_dir, sources=sources, files=args.prompts, seed=args.seed,
+                                            swe_per_issue=args.swe_per_issue, math_count=args.math_prompts)
     ids = [data.render(builder, p) for p in prompts]
     keep = [i for i, x in enumerate(ids) if len(x) <= args.max_prompt_tokens]
     if args.max_prompts is not None and len(keep) > args.max_prompts:
@@ -231,9 +263,13 @@ def main(args: argparse.Namespace) -> int:
     # Responses from the target itself (cached).
     longest = max(len(x) for x in train_ids)
     engine = generation_engine(loaded, max(args.gen_batch, args.batch), longest, args.max_new_tokens)
-    examples = generate_examples(loaded, train_ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                 seed=args.seed, batch=args.gen_batch, cache=out / EXAMPLES, engine=engine,
-                                 quiet=args.quiet)
+    examples = []
+    for r in range(args.responses):  # the first at --temperature, the others sampled, each with its own seeds
+        cache = out / (EXAMPLES if r == 0 else f"examples-{r}.npz")
+        temp = args.temperature if r == 0 else args.sample_temperature
+        examples += generate_examples(loaded, train_ids, max_new_tokens=args.max_new_tokens, temperature=temp,
+                                      seed=args.seed + r * 1_000_003, batch=args.gen_batch, cache=cache,
+                                      engine=engine, quiet=args.quiet)
     n_resp = sum(e.response_len for e in examples)
     say(f"train-drafter: {len(examples)} examples, {n_resp} response tokens "
          f"(mean {n_resp / len(examples):.0f}), {sum(len(e.tokens) for e in examples)} tokens in all")
@@ -243,7 +279,8 @@ def main(args: argparse.Namespace) -> int:
                       time_limit=args.time_limit, time_budget=args.time_budget, stop_after=args.stop_after,
                       quiet=args.quiet)
     if args.resume:
-        trainer = Trainer.resume(loaded, engine, examples, out, args.feature_cache)
+        trainer = Trainer.resume(loaded, engine, examples, out, args.feature_cache, args.max_rows, args.quiet,
+                                 args.attention)
         say(f"train-drafter: resuming at step {trainer.step}/{trainer.cfg.steps}")
     else:
         if args.init is not None:
@@ -261,7 +298,8 @@ def main(args: argparse.Namespace) -> int:
                            save_dtype=args.save_dtype)
         if (out / TRAIN_LOG).exists():
             (out / TRAIN_LOG).unlink()
-        trainer = Trainer(loaded, engine, examples, drafter, tcfg, args.feature_cache)
+        trainer = Trainer(loaded, engine, examples, drafter, tcfg, args.feature_cache, out, args.max_rows, args.quiet,
+                          args.attention)
         d = drafter.cfg
         n_params = sum(p.numel() for p in trainer.drafter.parameters())
         say(f"train-drafter: drafter {d.num_layers} layers, block {d.block_size}, target layers "
@@ -270,7 +308,10 @@ def main(args: argparse.Namespace) -> int:
              f"({n_params * DTYPES[args.save_dtype].itemsize / 1e6:.1f} MB as {args.save_dtype}); "
              f"{steps} steps x {args.batch} sequences x <= {args.anchors} blocks, gamma "
              f"{args.gamma or loss_gamma(d.block_size):.2f}; target features "
-             f"{trainer.feature_bytes() / 2**30:.2f} GiB, " + ("cached" if trainer.cache_features else "recomputed"))
+             f"{trainer.feature_bytes() / 2**30:.2f} GiB, " +
+             (f"stored in {out / FEATURES}.bin" if trainer.store is not None else "recomputed every step"))
+        if args.bench_trainer:
+            return bench_trainer(trainer, args.bench_trainer, out)
         if eval_ids:
             tau0 = evaluate_fresh(loaded, trainer.drafter, opts, args.save_dtype)
             trainer.evals.append({"step": 0, "mode": "chain", "tau": tau0, "prompts": len(eval_ids)})

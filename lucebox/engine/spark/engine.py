@@ -1,0 +1,158 @@
+"""A model served with its experts placed by Spark: loaded into host memory, the experts split into device
+slots and host memory (offload.py) by a placement (placement.py, from a profile or uniform), everything else
+moved to the device, then an LLMEngine over it.
+
+The decode step is not one CUDA graph here: which experts are resident is decided on the host every layer,
+so the engine runs with CUDA graphs off (the eager path, as on the CPU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lucebox.engine.spark import placement
+from lucebox.engine.spark.offload import LayerOffload, OffloadRule, SparkStats, measure_rule
+from lucebox.engine.spark.placement import GB, Budget
+from lucebox.engine.spark.profile import check_profile, expert_bytes, moe_layers, read_profile
+from lucebox.errors import LuceboxError
+
+log = logging.getLogger("lucebox.spark")
+PLACEMENTS = ("auto", "calibrated", "uniform")
+
+
+@dataclass
+class SparkConfig:
+    """`--spark PROFILE --expert-gpu-budget GB|N% --spark-ring N --spark-cpu-rows N`."""
+
+    profile: Path | None = None  # None: uniform placement
+    budget: str | None = None  # None: the profile's calibration budget (uniform: 100%)
+    ring: int | None = None  # ring slots per layer; None: n_experts / 8 (at most 32), at most half the budget
+    cpu_rows: int | None = None  # None: measured at load (offload.measure_rule)
+    promote_after: int = 2
+    placement: str = "auto"  # auto: calibrated with a profile, else uniform
+    ring_fit: bool = False  # shrink `ring` to what the budget holds instead of refusing (bench spark's rows)
+
+    def validate(self) -> SparkConfig:
+        if self.placement not in PLACEMENTS:
+            raise LuceboxError(f"--spark-placement must be one of {', '.join(PLACEMENTS)}, got {self.placement!r}")
+        if self.placement == "calibrated" and self.profile is None:
+            raise LuceboxError("a calibrated placement needs a profile: --spark PROFILE")
+        for name, value in (("--spark-ring", self.ring), ("--spark-cpu-rows", self.cpu_rows)):
+            if value is not None and value < 0:
+                raise LuceboxError(f"{name} must be >= 0, got {value}")
+        if self.budget is not None:
+            Budget.parse(self.budget)
+        return self
+
+
+class Spark:
+    """The placed experts of one model: its layers' offloads, the counters and what was chosen (/props)."""
+
+    def __init__(self, layers: dict[int, LayerOffload], stats: SparkStats, rule: OffloadRule, info: dict[str, Any]):
+        self.layers, self.stats, self.rule, self.info = layers, stats, rule, info
+
+    def props(self) -> dict[str, Any]:
+        return {"enabled": True, **self.info,
+                "cpu_rule": {"cpu_rows": self.rule.cpu_rows, "promote_after": self.rule.promote_after,
+                             **{k: round(v, 7) for k, v in self.rule.measured.items()}},
+                "device_expert_bytes": sum(o.device_bytes() for o in self.layers.values()),
+                "host_expert_bytes": sum(o.host_bytes() for o in self.layers.values()), **self.stats.props()}
+
+    def register_metrics(self, metrics: Any) -> None:
+        """Counters and gauges on the server's /metrics (lucebox.metrics.Metrics)."""
+        s = self.stats
+        metrics.counter("lucebox_spark_routed_pairs_total", "Routed (token, expert) pairs", lambda: s.routed)
+        metrics.counter("lucebox_spark_cold_hits_total", "Routed pairs whose expert was in host memory",
+                        lambda: s.cold)
+        metrics.counter("lucebox_spark_ring_hits_total", "Routed pairs served by the per-layer ring",
+                        lambda: s.ring_hits)
+        metrics.counter("lucebox_spark_expert_copies_total", "Experts copied host to device", lambda: s.copies)
+        metrics.counter("lucebox_spark_expert_copy_bytes_total", "Bytes of experts copied host to device",
+                        lambda: s.copy_bytes)
+        metrics.counter("lucebox_spark_cpu_experts_total", "Cold experts computed on the CPU", lambda: s.cpu_experts)
+        metrics.counter("lucebox_spark_cpu_expert_seconds_total", "Seconds spent computing experts on the CPU",
+                        lambda: s.cpu_seconds)
+        metrics.gauge("lucebox_spark_cold_hit_rate", "Cold hits over routed pairs since start",
+                      lambda: s.cold_hit_rate)
+        metrics.gauge("lucebox_spark_copies_per_second", "Expert copies per second since start",
+                      s.copies_per_second)
+
+
+def place_experts(loaded: Any, device: torch.device, cfg: SparkConfig, quiet: bool = False) -> Spark:
+    """Split `loaded`'s experts (held in host memory) per `cfg` and move the rest of the model to `device`."""
+    cfg.validate()
+    model = loaded.model
+    layers = moe_layers(model)
+    sizes = {i: expert_bytes(m) for i, m in layers.items()}
+    n_experts = next(iter(layers.values())).n_experts
+    total = n_experts * sum(sizes.values())
+    doc = None
+    if cfg.profile is not None and cfg.placement != "uniform":
+        doc = read_profile(cfg.profile)
+        for warning in check_profile(doc, model, loaded.config.arch, loaded.quant, cfg.profile):
+            log.warning("%s", warning)
+    budget = Budget.parse(cfg.budget if cfg.budget is not None else
+                          (doc["placement"]["budget"] if doc is not None else "100%"))
+    budget_bytes = min(budget.bytes(total), total)
+    ring = cfg.ring
+    if ring is not None and cfg.ring_fit:
+        ring = min(ring, budget_bytes // sum(sizes.values()))
+    if ring is None:
+        ring = min(32, n_experts // 8)
+        while ring and ring * sum(sizes.values()) > budget_bytes // 2:
+            ring -= 1
+    left = placement.hot_budget(budget_bytes, sizes, ring)
+    if doc is not None:
+        hot = placement.calibrated(doc["counts"], sizes, left)
+        kind = "calibrated"
+    else:
+        hot = placement.uniform(n_experts, sizes, left)
+        kind = "uniform"
+    stats = SparkStats()
+    stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+    rule = OffloadRule(cfg.cpu_rows or 0, cfg.promote_after)
+    offloads = {i: LayerOffload(m, hot[i], ring, device, rule, stats, stream) for i, m in layers.items()}
+    if cfg.cpu_rows is None:
+        probe = next((o for o in offloads.values() if o.cold), next(iter(offloads.values())))
+        measured = measure_rule(probe, cfg.promote_after)
+        rule.cpu_rows, rule.measured = measured.cpu_rows, measured.measured
+    model.to(device)
+    loaded.device = device
+    n_hot = sum(len(v) for v in hot.values())
+    info = {"placement": kind, "profile": str(cfg.profile) if doc is not None else None,
+            "budget": str(budget), "budget_bytes": budget_bytes, "expert_bytes_total": total,
+            "hot_experts": n_hot, "experts": n_experts * len(layers), "ring_slots_per_layer": ring,
+            "predicted_cold_hit_rate": (placement.cold_hit_rate(doc["heldout_counts"] or doc["counts"], hot)
+                                        if doc is not None else None)}
+    if not quiet:
+        log.info("spark: %s placement, %d of %d experts on %s (%.2f of %.2f GB budget, ring %d per layer), "
+                 "cold on the host; CPU rule: cold experts of <= %d rows on the CPU", kind, n_hot,
+                 n_experts * len(layers), device, budget_bytes / GB, total / GB, ring, rule.cpu_rows)
+    return Spark(offloads, stats, rule, info)
+
+
+def spark_engine(path: Path, config: Any, cfg: SparkConfig, quiet: bool = False) -> tuple[Any, Spark]:
+    """An LLMEngine (lucebox.engine.runtime.llm_engine) over the model at `path` with its experts placed."""
+    from lucebox.engine.runtime.llm_engine import WEIGHTS, LLMEngine
+    from lucebox.engine.weights.loader import load_model
+
+    device = config.resolve_device()
+    if config.weights not in WEIGHTS:
+        raise LuceboxError(f"--weights is {config.weights}; choose from {', '.join(WEIGHTS)}")
+    if config.gpu_memory is not None and device.type == "cuda":
+        from lucebox.engine.runtime.memory_plan import apply_cap
+
+        apply_cap(device, config.gpu_memory)
+    quantized = WEIGHTS[config.weights]
+    if quantized is None and device.type == "cuda":
+        quantized = True  # the experts cross PCIe in their blocks
+    loaded = load_model(Path(path), device="cpu", dtype=config.resolve_dtype(device), quiet=quiet,
+                        quantized=quantized)
+    spark = place_experts(loaded, device, cfg, quiet)
+    return LLMEngine(loaded, dataclasses.replace(config, cuda_graphs=False)), spark
