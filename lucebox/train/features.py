@@ -136,6 +136,6 @@ class FeatureStore:
                                           for i, n in zip(idx, lengths)]))
 
     def _to_device(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device == self.device:
-            return x
+        if x.device.type != "cpu" or self.device.type == "cpu":  # a store held on the device ("cuda:0" is "cuda")
+            return x.to(self.device)
         return x.pin_memory().to(self.device, non_blocking=True)  # pinned: no wait for the GPU's queued work
