@@ -245,3 +245,67 @@ def test_warm_up_never_keeps_a_config_that_computes_wrong(monkeypatch) -> None:
     tuned = qmm.warm_up([("Q6_K", 24, 512)], device=DEVICE, dtype=DTYPE)
     assert tuned == {("gemv", "Q6_K", 24, 512): good}  # the only small candidate was wrong: none kept
     assert qmm.TUNED == tuned and len(calls) == 1
+
+
+def i8_reference(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
+    """The int8-activation Q4_K gemv's arithmetic in torch: x quantized per 32 columns (absmax / 127, rounded
+    half away from zero), integer dots with the nibbles, the block scales, the dmin term on the exact x."""
+    from lucebox.engine.weights.quant.dequant import FORMATS
+
+    blocks = w.data.cpu().view(-1, FORMATS["Q4_K"][1]).numpy()
+    n, k = w.shape
+    d = torch.from_numpy(blocks[:, 0:2].copy().view("<f2").astype("float64")).view(n, k // 256, 1)
+    dmin = torch.from_numpy(blocks[:, 2:4].copy().view("<f2").astype("float64")).view(n, k // 256, 1)
+    sc_raw = torch.from_numpy(blocks[:, 4:16].astype("int64")).view(n, k // 256, 12)
+    qs = torch.from_numpy(blocks[:, 16:].astype("int64")).view(n, k // 256, 4, 32)
+    sc = torch.zeros(n, k // 256, 8, dtype=torch.int64)
+    mn = torch.zeros_like(sc)
+    for j in range(8):  # ggml's get_scale_min_k4
+        if j < 4:
+            sc[..., j], mn[..., j] = sc_raw[..., j] & 63, sc_raw[..., j + 4] & 63
+        else:
+            sc[..., j] = (sc_raw[..., j + 4] & 0xF) | ((sc_raw[..., j - 4] >> 6) << 4)
+            mn[..., j] = (sc_raw[..., j + 4] >> 4) | ((sc_raw[..., j] >> 6) << 4)
+    q = torch.stack([qs & 15, qs >> 4], dim=3).reshape(n, k // 256, 8, 32)  # sub-block 2c + s
+    xs = x.double().cpu().view(k // 256, 8, 32)
+    amax = xs.abs().amax(-1, keepdim=True)
+    v = xs * torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    xq = torch.where(v >= 0, v + 0.5, v - 0.5).trunc()
+    dots = (q.double() * xq).sum(-1)  # [n, blocks, 8]
+    y = (d * sc * dots * (amax[..., 0] / 127.0) - dmin * mn * xs.sum(-1)).sum((1, 2))
+    return y[None]
+
+
+@pytest.mark.parametrize("cfg", [(4, 1, 1, 1, "i8"), (8, 2, 4, 2, "i8"), (16, 1, 4, 4, "i8")])
+def test_int8_activation_q4k_gemv(cfg) -> None:
+    """The Q4_K gemv with int8 activations (dp4a on CUDA, the same sum by shifts under the interpreter) equals its
+    own arithmetic done in torch, and stays within bf16-like error of the exact product; split-K and bias."""
+    n, k = 40, 256 * 4
+    w = random_weight("Q4_K", n, k, seed=11).to(DEVICE)
+    x = torch.randn(1, k, device=DEVICE).to(DTYPE)
+    x[0, 40:72] = 0.0  # an all-zero sub-block: scale 0, no division by zero
+    out = torch.full((1, n), float("nan"), device=DEVICE, dtype=DTYPE)
+    qmm._launch_words(x, w, None, out, cfg)
+    assert rel_err(out, i8_reference(x, w).to(out.device)) < (1e-2 if CUDA else 1e-6)
+    assert rel_err(out, reference(x, w)) < 1.5e-2
+    bias = torch.randn(n, device=DEVICE).to(DTYPE)
+    qmm._launch_words(x, w, bias, out, cfg)
+    assert rel_err(out, reference(x, w, bias)) < 1.5e-2
+
+
+def test_warm_up_keeps_the_int8_gemv_where_it_is_faster(monkeypatch) -> None:
+    """For Q4_K at one row the tuner times the int8-activation gemv beside the float ones and keeps the faster
+    (timer stubbed on the CPU); qmatmul then runs it."""
+    import triton.testing
+
+    flt, i8 = (4, 1, 1, 1), (4, 1, 1, 1, "i8")
+    monkeypatch.setattr(qmm, "GEMV_CANDIDATES", [flt])
+    monkeypatch.setattr(qmm, "I8_CANDIDATES", [i8])
+    monkeypatch.setattr(qmm, "SMALL_CANDIDATES", [])
+    monkeypatch.setattr(qmm, "TUNED", {})
+    times = {flt: 2.0, i8: 1.0}
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: (fn(), times[fn.__defaults__[0]])[-1])
+    assert qmm.warm_up([("Q4_K", 24, 512)], device=DEVICE, dtype=DTYPE) == {("gemv", "Q4_K", 24, 512): i8}
+    w = random_weight("Q4_K", 24, 512, seed=12).to(DEVICE)
+    x = torch.randn(1, 512, device=DEVICE).to(DTYPE)
+    assert rel_err(qmm.qmatmul(x, w), i8_reference(x, w).to(DEVICE)) < (1e-2 if CUDA else 1e-6)

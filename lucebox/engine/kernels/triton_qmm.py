@@ -442,6 +442,75 @@ def _gemv_words_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, n_split, row_words, QTYPE:
         tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=n_mask)
 
 
+# ----- Q4_K at one row with int8 activations: 4 weights a dp4a -----------------------------------------------
+# The float gemv above spends ~6 ALU operations on every weight (the nibble made a float, scaled, multiplied),
+# which bounds it below the memory bandwidth. As llama.cpp's MMVQ does, the activations of each 32-column
+# sub-block are quantized to int8 (scale absmax / 127) inside the kernel, and four nibbles of a weight word
+# (masked, not shifted apart) meet four int8 activations in one dp4a: per sub-block
+#   sum_j (d*sc*q_j - dmin*m) * x_j  ~=  d*sc*dx * sum_j q_j*xq_j  -  dmin*m * sum_j x_j   (the last sum exact).
+# The int8 rounding costs ~0.3% relative error per dot product, about bf16's; the start-up tuner keeps this
+# kernel for a shape only where it beats the float gemv and passes the same exactness check.
+
+
+@triton.jit
+def _dp4a(a, b, ASM: tl.constexpr):
+    """sum_i a.byte[i] * b.byte[i] of int32 words as signed bytes: the dp4a instruction, or (ASM False: the
+    interpreter) the same sum by shifts."""
+    if ASM:
+        return tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, a * 0],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        s = ((a << 24) >> 24) * ((b << 24) >> 24)
+        s += ((a << 16) >> 24) * ((b << 16) >> 24)
+        s += ((a << 8) >> 24) * ((b << 8) >> 24)
+        return s + (a >> 24) * (b >> 24)
+
+
+@triton.jit
+def _x_q8(x_ptr, sb, s: tl.constexpr):
+    """Plane s of super-blocks sb [1, NSB, 1, 1] of the activations (column sb*256 + 64c + 32s + 4w + b at word
+    w, byte b of chunk c), quantized per 32-column sub-block: int8 words [1, NSB, 4, 8], the scale dx and the
+    exact sum of the sub-block's x, both [1, NSB, 4, 1]."""
+    c = tl.arange(0, 4)[None, None, :, None, None]
+    w = tl.arange(0, 8)[None, None, None, :, None]
+    b = tl.arange(0, 4)[None, None, None, None, :]
+    x = tl.load(x_ptr + (sb[:, :, :, :, None] * 256 + c * 64 + 32 * s + 4 * w + b)).to(tl.float32)
+    amax = tl.max(tl.max(tl.abs(x), axis=4), axis=3, keep_dims=True)  # [1, NSB, 4, 1]
+    v = x * tl.where(amax > 0, 127.0 / amax, 0.0)[:, :, :, :, None]
+    q = tl.where(v >= 0, v + 0.5, v - 0.5).to(tl.int32)  # round half away from zero: |q| <= 127
+    words = tl.sum((q & 0xFF) << (8 * b), axis=4)  # the four bytes are disjoint: the sum is their OR
+    return words, amax / 127.0, tl.sum(tl.sum(x, axis=4), axis=3, keep_dims=True)
+
+
+@triton.jit
+def _gemv_q4k_i8_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, n_split, row_words, HAS_BIAS: tl.constexpr,
+                        PARTIAL: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, ASM: tl.constexpr):
+    """One activation row of a Q4_K weight with int8 activations (see above); programs, splits and partial
+    sums as in _gemv_words_kernel."""
+    rn = tl.program_id(0) * BN + tl.arange(0, BN)
+    lo = tl.program_id(1) * n_split
+    n_mask = rn < N
+    rows = tl.minimum(rn, N - 1).to(tl.int64)
+    row = w_ptr.to(tl.pointer_type(tl.int32)) + rows[:, None, None, None] * row_words
+    acc = tl.zeros((BN, NB, 4, 1), dtype=tl.float32)
+    for g in range(lo, lo + n_split, NB):
+        sb = g + tl.arange(0, NB)[None, :, None, None]
+        q, ds0, dm0, ds1, dm1 = _q4k_load(row, sb)
+        x0, dx0, sx0 = _x_q8(x_ptr, sb, 0)
+        x1, dx1, sx1 = _x_q8(x_ptr, sb, 1)
+        shape: tl.constexpr = (BN, NB, 4, 8)
+        i0 = tl.sum(_dp4a(q & 0x0F0F0F0F, tl.broadcast_to(x0, shape), ASM), axis=3, keep_dims=True)
+        i1 = tl.sum(_dp4a((q >> 4) & 0x0F0F0F0F, tl.broadcast_to(x1, shape), ASM), axis=3, keep_dims=True)
+        acc += ds0 * dx0 * i0.to(tl.float32) + ds1 * dx1 * i1.to(tl.float32) - dm0 * sx0 - dm1 * sx1
+    y = tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=1)
+    if PARTIAL:
+        tl.store(y_ptr + tl.program_id(1) * N + rn, y, mask=n_mask)
+    else:
+        if HAS_BIAS:
+            y += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=n_mask)
+
+
 @triton.jit
 def _dot_plane(acc, w, xrow, xo, m_mask, BM: tl.constexpr, BN: tl.constexpr, E: tl.constexpr):
     """acc [BM, BN] += x[:, xo] @ w.T for one plane: w [BN, ...] and offsets xo [1, ...] of E elements."""
@@ -548,8 +617,12 @@ WORD_TYPES = {"Q4_K": (5, 256), "Q6_K": (7, 256), "Q8_0": (4, 32)}
 GEMV_DEFAULT = {"Q4_K": (16, 1, 4, 4), "Q6_K": (8, 2, 4, 4), "Q8_0": (8, 2, 4, 1)}
 SMALL_DEFAULT = {"Q4_K": (64, 1, 4, 4), "Q6_K": (64, 1, 4, 4), "Q8_0": (64, 1, 4, 4)}
 GEMV_CANDIDATES = [(16, 1, 4, 4), (16, 1, 2, 4), (8, 2, 4, 4), (8, 2, 4, 1), (16, 1, 4, 1), (4, 2, 4, 1)]
+# The int8-activation Q4_K gemv (BN, NB, warps, split, "i8"): tried beside the float ones, kept where faster.
+I8_CANDIDATES = [(16, 1, 4, 4, "i8"), (32, 1, 4, 4, "i8"), (32, 1, 4, 2, "i8"), (64, 1, 4, 2, "i8"),
+                 (16, 2, 4, 2, "i8"), (32, 1, 8, 1, "i8")]
 SMALL_CANDIDATES = [(64, 1, 4, 4), (64, 1, 4, 1), (64, 1, 4, 8), (32, 1, 4, 4)]
-TUNED: dict[tuple[str, str, int, int], tuple[int, int, int, int]] = {}
+Config = tuple  # (BN, NB, num_warps, split) or, for the int8-activation Q4_K gemv, (BN, NB, num_warps, split, "i8")
+TUNED: dict[tuple[str, str, int, int], Config] = {}
 SMALL_BM = 16
 X_PAIRS = True
 
@@ -572,7 +645,7 @@ def _word_ok(x: torch.Tensor, w: QuantWeight, out: torch.Tensor) -> bool:
 
 
 def _launch_words(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None, out: torch.Tensor,
-                  cfg: tuple[int, int, int, int] | None = None) -> None:
+                  cfg: Config | None = None) -> None:
     """The word-wise gemv (one row) or small-batch tile kernel (SMALL_BM rows per program), split over the
     columns in `split` parts when that fills the GPU better (then one more small kernel sums the parts)."""
     qid, block = WORD_TYPES[w.qtype]
@@ -582,14 +655,19 @@ def _launch_words(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None, ou
     kind = "gemv" if m == 1 else "small"
     if cfg is None:
         cfg = TUNED.get((kind, w.qtype, n, k)) or (GEMV_DEFAULT if m == 1 else SMALL_DEFAULT)[w.qtype]
-    bn, nb, warps, split = cfg
+    bn, nb, warps, split, *variant = cfg  # variant ("i8",): the int8-activation Q4_K gemv
     nb = _blocks_per_step(w.qtype, n_blk, nb)
     while split > 1 and (n_blk // nb) % split:
         split -= 1
     b = bias if bias is not None else x
     y = torch.empty(split, m, n, device=x.device, dtype=torch.float32) if split > 1 else out
     common = dict(QTYPE=qid, HAS_BIAS=bias is not None, PARTIAL=split > 1, BN=bn, NB=nb, num_warps=warps)
-    if m == 1:
+    if m == 1 and variant == ["i8"]:
+        assert w.qtype == "Q4_K", "the int8-activation gemv reads Q4_K blocks"
+        del common["QTYPE"]
+        _gemv_q4k_i8_kernel[(triton.cdiv(n, bn), split)](x, w.data, b, y, n, n_blk // split, w.data.shape[1] // 4,
+                                                         ASM=x.is_cuda, **common)
+    elif m == 1:
         _gemv_words_kernel[(triton.cdiv(n, bn), split)](x, w.data, b, y, n, n_blk // split, w.data.shape[1] // 4,
                                                         XBF16=X_PAIRS and x.dtype == torch.bfloat16, **common)
     else:
@@ -603,7 +681,7 @@ def _launch_words(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None, ou
 
 def warm_up(shapes: list[tuple[str, int, int]], rows: tuple[int, ...] = (1, SMALL_BM),
             device: torch.device | str = "cuda", dtype: torch.dtype = torch.bfloat16
-            ) -> dict[tuple[str, str, int, int], tuple[int, int, int, int]]:
+            ) -> dict[tuple[str, str, int, int], Config]:
     """Compile and tune the word-wise kernels for weights (qtype, out rows, in cols) at `rows` activation rows
     (1: the gemv; more: the small-batch kernel). Call it at start-up, before any CUDA graph is captured: each
     candidate launch config runs on random blocks of the shape, is checked against the exact dequantized
@@ -628,8 +706,8 @@ def warm_up(shapes: list[tuple[str, int, int]], rows: tuple[int, ...] = (1, SMAL
             x = torch.randn(m, k, device=device, dtype=dtype)
             ref = x.float() @ dense.T
             out = torch.empty(m, n, device=device, dtype=dtype)
-            best: tuple[float, tuple[int, int, int, int]] | None = None
-            for cfg in GEMV_CANDIDATES if m == 1 else SMALL_CANDIDATES:
+            best: tuple[float, Config] | None = None
+            for cfg in (GEMV_CANDIDATES + (I8_CANDIDATES if qtype == "Q4_K" else [])) if m == 1 else SMALL_CANDIDATES:
                 try:
                     _launch_words(x, w, None, out, cfg)
                 except (CompilationError, OutOfResources):  # a config this GPU / Triton cannot build
