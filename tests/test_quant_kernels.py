@@ -237,6 +237,7 @@ def test_warm_up_never_keeps_a_config_that_computes_wrong(monkeypatch) -> None:
     times = {good: 2.0, bad: 1.0}
     monkeypatch.setattr(qmm, "_launch_words", launch)
     monkeypatch.setattr(qmm, "GEMV_CANDIDATES", [bad, good])
+    monkeypatch.setattr(qmm, "I8_CANDIDATES", [])
     monkeypatch.setattr(qmm, "SMALL_CANDIDATES", [bad])
     monkeypatch.setattr(qmm, "TUNED", {})
     calls = []
@@ -276,17 +277,32 @@ def i8_reference(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     return y[None]
 
 
+def i8_reference_q6k(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
+    """The int8-activation Q6_K gemv's arithmetic: every weight is d * scale * (q - 32), exact in the dequantized
+    weight, so the kernel's sum is sum over 32-column blocks of dx * sum_j w_j * xq_j."""
+    n, k = w.shape
+    xs = x.double().cpu().view(k // 32, 32)
+    amax = xs.abs().amax(-1, keepdim=True)
+    v = xs * torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    xq = torch.where(v >= 0, v + 0.5, v - 0.5).trunc()
+    dense = w.dequantize().double().cpu().view(n, k // 32, 32)
+    return ((dense * xq).sum(-1) * (amax[:, 0] / 127.0)).sum(-1)[None]
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
 @pytest.mark.parametrize("cfg", [(4, 1, 1, 1, "i8"), (8, 2, 4, 2, "i8"), (16, 1, 4, 4, "i8")])
-def test_int8_activation_q4k_gemv(cfg) -> None:
-    """The Q4_K gemv with int8 activations (dp4a on CUDA, the same sum by shifts under the interpreter) equals its
-    own arithmetic done in torch, and stays within bf16-like error of the exact product; split-K and bias."""
+def test_int8_activation_gemv(qtype: str, cfg) -> None:
+    """The Q4_K / Q6_K gemv with int8 activations (dp4a on CUDA, the same sum by shifts under the interpreter)
+    equals its own arithmetic done in torch, and stays within bf16-like error of the exact product; split-K and
+    bias; Q6_K rows of an even number of blocks (every other block 2 bytes into a word)."""
     n, k = 40, 256 * 4
-    w = random_weight("Q4_K", n, k, seed=11).to(DEVICE)
+    w = random_weight(qtype, n, k, seed=11).to(DEVICE)
     x = torch.randn(1, k, device=DEVICE).to(DTYPE)
-    x[0, 40:72] = 0.0  # an all-zero sub-block: scale 0, no division by zero
+    x[0, 64:96] = 0.0  # an all-zero sub-block: scale 0, no division by zero
     out = torch.full((1, n), float("nan"), device=DEVICE, dtype=DTYPE)
     qmm._launch_words(x, w, None, out, cfg)
-    assert rel_err(out, i8_reference(x, w).to(out.device)) < (1e-2 if CUDA else 1e-6)
+    own = i8_reference(x, w) if qtype == "Q4_K" else i8_reference_q6k(x, w)
+    assert rel_err(out, own.to(out.device)) < (1e-2 if CUDA else 1e-6)
     assert rel_err(out, reference(x, w)) < 1.5e-2
     bias = torch.randn(n, device=DEVICE).to(DTYPE)
     qmm._launch_words(x, w, bias, out, cfg)

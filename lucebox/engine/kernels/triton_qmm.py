@@ -442,7 +442,7 @@ def _gemv_words_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, n_split, row_words, QTYPE:
         tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=n_mask)
 
 
-# ----- Q4_K at one row with int8 activations: 4 weights a dp4a -----------------------------------------------
+# ----- Q4_K and Q6_K at one row with int8 activations: 4 weights a dp4a ---------------------------------------
 # The float gemv above spends ~6 ALU operations on every weight (the nibble made a float, scaled, multiplied),
 # which bounds it below the memory bandwidth. As llama.cpp's MMVQ does, the activations of each 32-column
 # sub-block are quantized to int8 (scale absmax / 127) inside the kernel, and four nibbles of a weight word
@@ -476,7 +476,7 @@ def _x_q8(x_ptr, sb, s: tl.constexpr):
     b = tl.arange(0, 4)[None, None, None, None, :]
     x = tl.load(x_ptr + (sb[:, :, :, :, None] * 256 + c * 64 + 32 * s + 4 * w + b)).to(tl.float32)
     amax = tl.max(tl.max(tl.abs(x), axis=4), axis=3, keep_dims=True)  # [1, NSB, 4, 1]
-    v = x * tl.where(amax > 0, 127.0 / amax, 0.0)[:, :, :, :, None]
+    v = x * (127.0 / tl.maximum(amax, 1e-30))[:, :, :, :, None]  # amax 0: x is 0 too
     q = tl.where(v >= 0, v + 0.5, v - 0.5).to(tl.int32)  # round half away from zero: |q| <= 127
     words = tl.sum((q & 0xFF) << (8 * b), axis=4)  # the four bytes are disjoint: the sum is their OR
     return words, amax / 127.0, tl.sum(tl.sum(x, axis=4), axis=3, keep_dims=True)
@@ -503,6 +503,56 @@ def _gemv_q4k_i8_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, n_split, row_words, HAS_B
         i1 = tl.sum(_dp4a((q >> 4) & 0x0F0F0F0F, tl.broadcast_to(x1, shape), ASM), axis=3, keep_dims=True)
         acc += ds0 * dx0 * i0.to(tl.float32) + ds1 * dx1 * i1.to(tl.float32) - dm0 * sx0 - dm1 * sx1
     y = tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=1)
+    if PARTIAL:
+        tl.store(y_ptr + tl.program_id(1) * N + rn, y, mask=n_mask)
+    else:
+        if HAS_BIAS:
+            y += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def _x_q8_q6(x_ptr, sb, s: tl.constexpr):
+    """Plane s of Q6_K super-blocks sb [1, NSB, 1, 1, 1] of the activations (column sb*256 + 128h + 64s + 32tq
+    + 4v + b at word v, byte b of (h, tq)), quantized per 32 columns: int8 words [1, NSB, 2, 2, 8], each word's
+    sum of its four int8s (same shape), and the scale dx [1, NSB, 2, 2, 1]."""
+    h = tl.arange(0, 2)[None, None, :, None, None, None]
+    tq = tl.arange(0, 2)[None, None, None, :, None, None]
+    v = tl.arange(0, 8)[None, None, None, None, :, None]
+    b = tl.arange(0, 4)[None, None, None, None, None, :]
+    x = tl.load(x_ptr + (sb[:, :, :, :, :, None] * 256 + h * 128 + 64 * s + 32 * tq + 4 * v + b)).to(tl.float32)
+    amax = tl.max(tl.max(tl.abs(x), axis=5), axis=4, keep_dims=True)  # [1, NSB, 2, 2, 1]
+    val = x * (127.0 / tl.maximum(amax, 1e-30))[:, :, :, :, :, None]
+    q = tl.where(val >= 0, val + 0.5, val - 0.5).to(tl.int32)
+    return tl.sum((q & 0xFF) << (8 * b), axis=5), tl.sum(q, axis=5), amax / 127.0
+
+
+@triton.jit
+def _gemv_q6k_i8_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, n_split, row_words, HAS_BIAS: tl.constexpr,
+                        PARTIAL: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, ASM: tl.constexpr):
+    """One activation row of a Q6_K weight with int8 activations: per word the four 6-bit values (nibble and
+    high bits OR-ed into each byte, 0..63) meet four int8s in a dp4a, less 32 x their sum (the -32 offset),
+    summed over the 16 columns that share a scale, then scaled. Programs and splits as _gemv_words_kernel."""
+    rn = tl.program_id(0) * BN + tl.arange(0, BN)
+    lo = tl.program_id(1) * n_split
+    n_mask = rn < N
+    rows = tl.minimum(rn, N - 1).to(tl.int64)
+    row = w_ptr.to(tl.pointer_type(tl.int32)) + rows[:, None, None, None, None] * row_words
+    tq = tl.arange(0, 2)[None, None, None, :, None]
+    grp = tl.arange(0, 2)[None, None, None, None, :]
+    acc = tl.zeros((BN, NB, 2, 2, 2), dtype=tl.float32)
+    for g in range(lo, lo + n_split, NB):
+        sb = g + tl.arange(0, NB)[None, :, None, None, None]
+        ql, qh, sw0, sw1, d = _q6k_load(row, sb)
+        for s in tl.static_range(2):
+            xw, xs, dx = _x_q8_q6(x_ptr, sb, s)
+            u = ((ql >> (4 * s)) & 0x0F0F0F0F) | (((qh >> (4 * s)) & 0x03030303) << 4)
+            dot = _dp4a(u, tl.broadcast_to(xw, (BN, NB, 2, 2, 8)), ASM) - 32 * xs
+            dot = tl.sum(tl.reshape(dot, (BN, NB, 2, 2, 2, 4)), axis=5)  # per 16 columns: [BN, NB, h, tq, grp]
+            sw = sw0 if s == 0 else sw1
+            sc = ((sw << (24 - 8 * (2 * tq + grp))) >> 24).to(tl.float32)
+            acc += (d * dx) * sc * dot.to(tl.float32)
+    y = tl.sum(tl.sum(tl.sum(tl.sum(acc, axis=4), axis=3), axis=2), axis=1)
     if PARTIAL:
         tl.store(y_ptr + tl.program_id(1) * N + rn, y, mask=n_mask)
     else:
@@ -617,7 +667,9 @@ WORD_TYPES = {"Q4_K": (5, 256), "Q6_K": (7, 256), "Q8_0": (4, 32)}
 GEMV_DEFAULT = {"Q4_K": (16, 1, 4, 4), "Q6_K": (8, 2, 4, 4), "Q8_0": (8, 2, 4, 1)}
 SMALL_DEFAULT = {"Q4_K": (64, 1, 4, 4), "Q6_K": (64, 1, 4, 4), "Q8_0": (64, 1, 4, 4)}
 GEMV_CANDIDATES = [(16, 1, 4, 4), (16, 1, 2, 4), (8, 2, 4, 4), (8, 2, 4, 1), (16, 1, 4, 1), (4, 2, 4, 1)]
-# The int8-activation Q4_K gemv (BN, NB, warps, split, "i8"): tried beside the float ones, kept where faster.
+# The int8-activation gemvs (BN, NB, warps, split, "i8") of these types: tried beside the float ones, kept where
+# faster.
+I8_TYPES = ("Q4_K", "Q6_K")
 I8_CANDIDATES = [(16, 1, 4, 4, "i8"), (32, 1, 4, 4, "i8"), (32, 1, 4, 2, "i8"), (64, 1, 4, 2, "i8"),
                  (16, 2, 4, 2, "i8"), (32, 1, 8, 1, "i8")]
 SMALL_CANDIDATES = [(64, 1, 4, 4), (64, 1, 4, 1), (64, 1, 4, 8), (32, 1, 4, 4)]
@@ -663,10 +715,10 @@ def _launch_words(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None, ou
     y = torch.empty(split, m, n, device=x.device, dtype=torch.float32) if split > 1 else out
     common = dict(QTYPE=qid, HAS_BIAS=bias is not None, PARTIAL=split > 1, BN=bn, NB=nb, num_warps=warps)
     if m == 1 and variant == ["i8"]:
-        assert w.qtype == "Q4_K", "the int8-activation gemv reads Q4_K blocks"
+        kernel = {"Q4_K": _gemv_q4k_i8_kernel, "Q6_K": _gemv_q6k_i8_kernel}[w.qtype]
         del common["QTYPE"]
-        _gemv_q4k_i8_kernel[(triton.cdiv(n, bn), split)](x, w.data, b, y, n, n_blk // split, w.data.shape[1] // 4,
-                                                         ASM=x.is_cuda, **common)
+        kernel[(triton.cdiv(n, bn), split)](x, w.data, b, y, n, n_blk // split, w.data.shape[1] // 4, ASM=x.is_cuda,
+                                            **common)
     elif m == 1:
         _gemv_words_kernel[(triton.cdiv(n, bn), split)](x, w.data, b, y, n, n_blk // split, w.data.shape[1] // 4,
                                                         XBF16=X_PAIRS and x.dtype == torch.bfloat16, **common)
@@ -707,7 +759,7 @@ def warm_up(shapes: list[tuple[str, int, int]], rows: tuple[int, ...] = (1, SMAL
             ref = x.float() @ dense.T
             out = torch.empty(m, n, device=device, dtype=dtype)
             best: tuple[float, Config] | None = None
-            for cfg in (GEMV_CANDIDATES + (I8_CANDIDATES if qtype == "Q4_K" else [])) if m == 1 else SMALL_CANDIDATES:
+            for cfg in (GEMV_CANDIDATES + (I8_CANDIDATES if qtype in I8_TYPES else [])) if m == 1 else SMALL_CANDIDATES:
                 try:
                     _launch_words(x, w, None, out, cfg)
                 except (CompilationError, OutOfResources):  # a config this GPU / Triton cannot build
