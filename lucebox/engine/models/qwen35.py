@@ -26,8 +26,11 @@ chunk reads and writes. A prefill chunk runs the chunked (WY) form of the delta 
 (zeros at position 0), in pieces cut where the prefix cache keeps a state (`StateRows.captures`); the step's
 one-row decodes run one batched recurrent update; a speculative verification (a chain or a DDTree) runs
 its rows one depth at a time, each from its parent row's state (conv windows along the row's ancestors),
-and keeps every row's state for the acceptance. Plain torch, fp32 states: the CPU path and the reference
-(no CUDA graphs or fused Triton blocks for this family yet).
+and keeps every row's state for the acceptance. fp32 states. The step's decoding rows take two fused Triton
+kernels on CUDA (kernels/triton_deltanet.py: conv, norms, gate and delta rule on the slots themselves, so a
+decode step is capturable in a CUDA graph, runtime/cuda_graphs.py) and the chunked form's pass over its
+blocks is one kernel too; the rest of prefill and verification stay torch, and plain torch everywhere is the
+CPU path and the reference.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lucebox.engine.kernels import triton_deltanet
 from lucebox.engine.kernels.attention import AttentionMetadata, paged_attention
 from lucebox.engine.models.config import ModelConfig
 from lucebox.engine.models.decoder import DecoderModel, Rope
@@ -134,19 +138,17 @@ class DeltaNetBlock(_Block):
     def forward(self, h: torch.Tensor, rows: StateRows, layer: int) -> torch.Tensor:
         """The block over the step's rows; `layer` is this block's index among the linear layers."""
         x = self.attn_norm(h)
-        mixed = self.attn_qkv(x).float()  # [T, conv_dim]
-        beta = torch.sigmoid(self.ssm_beta(x).float())  # [T, v_heads]
-        g = self.ssm_a.float() * F.softplus(self.ssm_alpha(x).float() + self.ssm_dt.bias.float())
-        weight = self.ssm_conv1d.weight.float()  # [conv_dim, kernel]
+        mixed = self.attn_qkv(x)  # [T, conv_dim]
+        b, a = self.ssm_beta(x), self.ssm_alpha(x)  # [T, v_heads], before sigmoid / softplus
         out = torch.empty(h.shape[0], self.v_heads, self.v_dim, dtype=torch.float32, device=h.device)
         nd = rows.n_decode
         if nd:
-            slots = rows.slots[:nd]
-            conv, ssm = rows.read(layer, slots)  # [B, C, K-1], [B, Hv, Dk, Dv]
-            window = torch.cat((conv, mixed[:nd, :, None]), dim=-1)  # [B, C, K]
-            q, k, v = self._qkv(F.silu((window * weight).sum(-1)))
-            out[:nd], ssm = recurrent_gated_delta_step(q, k, v, g[:nd], beta[:nd], ssm)
-            rows.stage(layer, slots, window[..., 1:], ssm)
+            self.decode(mixed[:nd], a[:nd], b[:nd], rows, layer, out[:nd])
+        if not rows.chunks:
+            return self._finish(h, x, out)
+        mixed, a, b = mixed.float(), a.float(), b.float()
+        beta, g = torch.sigmoid(b), self._decay(a)
+        weight = self.ssm_conv1d.weight  # [conv_dim, kernel], fp32
         for i, (start, n, position, slot) in enumerate(rows.chunks):
             slots = rows.slots[nd + i: nd + i + 1]
             conv, ssm = rows.read(layer, slots)
@@ -176,9 +178,36 @@ class DeltaNetBlock(_Block):
                 if capture is not None:  # after `cut` rows the conv keeps the inputs ext[cut: cut + K-1]
                     rows.capture(layer, capture, ext[:, cut:cut + kept], s)
             rows.stage(layer, slots, ext[None, :, ext.shape[1] - kept:], s[None])
+        return self._finish(h, x, out)
+
+    def _finish(self, h: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The gated output norm, `ssm_out`, the residual and the FFN, from the delta rule's outputs `out`."""
         z = self.attn_gate(x).view(-1, self.v_heads, self.v_dim)
         y = self.ssm_norm(out.to(h.dtype)) * F.silu(z.float()).to(h.dtype)
         return self.ffn(h + self.ssm_out(y.reshape(h.shape[0], -1)))
+
+    def decode(self, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, rows: StateRows, layer: int,
+               out: torch.Tensor) -> None:
+        """One recurrent step of the step's B decoding rows (slots `rows.slots[:B]`) into `out` [B, v_heads,
+        v_dim] from their projections (activation dtype; the math is fp32): the fused kernels where they run (new
+        states written where `rows.decode_targets` says), else plain torch (new states staged)."""
+        slots = rows.slots[:mixed.shape[0]]
+        weight = self.ssm_conv1d.weight  # [conv_dim, kernel], fp32
+        if triton_deltanet.use_kernel(mixed):
+            conv, ssm, dst = rows.decode_targets(layer)
+            triton_deltanet.decode_step(mixed, a, b, weight, self.ssm_a, self.ssm_dt.bias, rows.states.conv[layer],
+                                        rows.states.ssm[layer], slots, conv, ssm, dst, out, self.k_heads)
+            return
+        conv, ssm = rows.read(layer, slots)  # [B, C, K-1], [B, Hv, Dk, Dv]
+        window = torch.cat((conv, mixed.float()[:, :, None]), dim=-1)  # [B, C, K]
+        q, k, v = self._qkv(F.silu((window * weight).sum(-1)))
+        o, ssm = recurrent_gated_delta_step(q, k, v, self._decay(a.float()), torch.sigmoid(b.float()), ssm)
+        out.copy_(o)
+        rows.stage(layer, slots, window[..., 1:], ssm)
+
+    def _decay(self, a: torch.Tensor) -> torch.Tensor:
+        """The per-token log decay g = ssm_a * softplus(alpha x + dt_bias) from the `ssm_alpha` outputs."""
+        return self.ssm_a * F.softplus(a + self.ssm_dt.bias)
 
     def _qkv(self, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Split conv outputs [T, conv_dim] into q, k [T, v_heads, k_dim] (L2-normed, q scaled, each q/k head
@@ -232,6 +261,9 @@ def chunk_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     q_decayed = q * g.exp()[..., None]
     k_decayed = k * (g[..., -1:] - g).exp()[..., None]
     block_decay = g[..., -1].exp()[..., None, None]  # [H, n, 1, 1]
+    if triton_deltanet.use_kernel(q) and chunk >= 16 and chunk & (chunk - 1) == 0:  # the loop below, one launch
+        out, state = triton_deltanet.chunk_scan(u, w, q_decayed, attn, k_decayed, block_decay[..., 0, 0], state)
+        return out.reshape(H, n * chunk, -1)[:, :T].transpose(0, 1), state
     out = torch.empty_like(v)
     for i in range(n):
         v_new = u[:, i] - w[:, i] @ state

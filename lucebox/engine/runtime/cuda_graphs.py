@@ -19,11 +19,18 @@ does the rest: the model, the LM head, and the greedy argmax (so a greedy step
 reads back one int per sequence). Attention uses the Triton paged decode
 kernel where available, else keys are gathered inside the graph.
 Padding rows write their K/V into scratch block 0 and are dropped.
+
+A hybrid model's decode step (models/qwen35.py) is captured the same way: the rows' recurrent state slots are
+one more part of the packed inputs (padding rows: scratch slot 0), and its Triton decode kernels
+(kernels/triton_deltanet.py) update the slots in place, which is safe since a replay cannot stop half-way.
+The eager warm-up runs before a capture point the rows at the scratch slots (KV and state), so a capture while
+serving leaves the sequences' states as they were.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -32,11 +39,16 @@ import torch
 
 from lucebox.engine.kernels import triton_attention
 from lucebox.engine.kernels.attention import AttentionMetadata, AttnGroup
+from lucebox.engine.runtime.recurrent_state import StateRows
 from lucebox.engine.runtime.sequence import Chunk
 
 log = logging.getLogger(__name__)
 
 MIN_CTX = 256
+# A hybrid model's decode graphs (its state slots among the packed inputs) are off until a GPU run has checked
+# them against eager decode (tests/test_triton_deltanet.py::test_graph_decode_equals_eager):
+# LUCEBOX_HYBRID_GRAPHS=1 turns them on for that run.
+HYBRID = os.environ.get("LUCEBOX_HYBRID_GRAPHS", "0") == "1"
 
 
 def pick_buckets(batches: list[int], max_ctx: int, n: int, ctx: int) -> tuple[int, int] | None:
@@ -125,11 +137,13 @@ class CudaGraphDecoder:
         self.pool = torch.cuda.graph_pool_handle()
         b, nb = self.batches[-1], self.max_ctx // self.page
         self.bmax, self.nbmax = b, nb
-        # One packed int64 buffer: ids[b] | positions[b] | slots[b] | block tables[b, nb].
-        size = 3 * b + b * nb
+        self.states = self.kv.states  # a hybrid's recurrent state slots, else None
+        # One packed int64 buffer: ids[b] | positions[b] | slots[b] | (hybrids) state slots[b] | block tables[b, nb].
+        self.head = (3 if self.states is None else 4) * b
+        size = self.head + b * nb
         self.host = torch.zeros(size, dtype=torch.long, pin_memory=True)
         self.host_np = self.host.numpy()
-        self.tables = HostTables(self.host_np[3 * b:].reshape(b, nb))
+        self.tables = HostTables(self.host_np[self.head:].reshape(b, nb))
         self.dev = torch.zeros(size, dtype=torch.long, device=self.device)
         self.out_logits: torch.Tensor | None = None  # [bmax, vocab], made at the first capture
         self.out_tokens = torch.zeros(b, dtype=torch.long, device=self.device)
@@ -138,7 +152,7 @@ class CudaGraphDecoder:
 
     def _views(self, t: torch.Tensor, batch: int, c: int) -> tuple[torch.Tensor, ...]:
         b, nb = self.bmax, self.nbmax
-        tables = t[3 * b:].view(b, nb)[:batch, : c // self.page]
+        tables = t[self.head:].view(b, nb)[:batch, : c // self.page]
         return t[:batch], t[b: b + batch], t[2 * b: 2 * b + batch], tables
 
     def buckets_for(self, n: int, ctx: int) -> tuple[int, int] | None:
@@ -180,16 +194,18 @@ class CudaGraphDecoder:
     def _fill(self, chunks: list[Chunk]) -> None:
         h, b = self.host_np, self.bmax
         n = len(chunks)
-        h[: 3 * b] = 0  # padding rows: token 0 at position 0, written to scratch slot 0
+        h[: self.head] = 0  # padding rows: token 0 at position 0, written to scratch slot 0 (and state slot 0)
         for i, ch in enumerate(chunks):
             table = ch.seq.block_table
             h[i] = ch.seq.token_ids[ch.start]
             h[b + i] = ch.start
             h[2 * b + i] = table[ch.start // self.page] * self.page + ch.start % self.page
+            if self.states is not None:
+                h[3 * b + i] = ch.seq.state_slot
             self.tables.fill(i, table)
         self.tables.clear_from(n)
         batch = next(x for x in self.batches if x >= n)  # the bucket's rows are all the graph reads
-        end = 3 * b + batch * self.nbmax
+        end = self.head + batch * self.nbmax
         self.dev[:end].copy_(self.host[:end], non_blocking=True)
 
     def _meta(self, batch: int, c: int) -> AttentionMetadata:
@@ -200,18 +216,29 @@ class CudaGraphDecoder:
     @torch.inference_mode()
     def _forward(self, batch: int, c: int) -> tuple[torch.Tensor, torch.Tensor]:
         ids, pos, _, _ = self._views(self.dev, batch, c)
-        hidden, _ = self.model(ids, pos, self.kv.data, self._meta(batch, c))
+        extra: dict[str, StateRows] = {}
+        if self.states is not None:  # every row a decode; the kernels update the slots in place
+            slots = self.dev[3 * self.bmax: 3 * self.bmax + batch]
+            extra["state"] = StateRows(self.states, batch, slots, [], in_place=True)
+        hidden, _ = self.model(ids, pos, self.kv.data, self._meta(batch, c), **extra)
         logits = self.model.logits(hidden)
         return logits, logits.argmax(-1)
 
     @torch.inference_mode()
     def _capture(self, batch: int, c: int) -> _Graph:
+        held = None
+        if self.states is not None:  # the eager runs below write the scratch slots (K/V, state), not the rows':
+            part = self.dev[2 * self.bmax: 4 * self.bmax]  # their states would advance (their K/V be wrong)
+            held = part.clone()
+            part.zero_()
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(2):  # warm-up outside the graph (kernel compilation, cuBLAS handles)
                 logits, _ = self._forward(batch, c)
         torch.cuda.current_stream(self.device).wait_stream(stream)
+        if held is not None:
+            part.copy_(held)
         if self.out_logits is None:
             self.out_logits = torch.zeros(self.bmax, logits.shape[-1], dtype=logits.dtype, device=self.device)
         del logits

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from lucebox.engine.kernels.kv_quant import KV_DTYPES
+from lucebox.engine.runtime import cuda_graphs
 from lucebox.engine.runtime.cuda_graphs import batch_buckets
 from lucebox.engine.runtime.grammar import Constraint, expand_masks, fill_masks, greedy_tokens
 from lucebox.engine.runtime.kv_cache import KVCache, resolve_kv_dtype
@@ -137,12 +138,13 @@ class LLMEngine:
             raise LuceboxError(f"a KV cache of {num_blocks * block_size} tokens does not fit in device memory "
                                "(lower --kv-tokens or --ctx-size)") from None
         if self.kv.states is not None:  # one slot per running sequence (runtime/recurrent_state.py)
-            graphs_off = self.device.type == "cuda" and self.config.cuda_graphs
+            graphs_off = self.device.type == "cuda" and self.config.cuda_graphs and not cuda_graphs.HYBRID
             log.info("recurrent state: %d slots x %.1f MiB (fp32)%s", self.kv.states.num_slots,
                      RecurrentStates.bytes_per_slot(loaded.config) / 2**20,
-                     "; CUDA graphs are off for hybrid models (eager decode)" if graphs_off else "")
+                     "; CUDA graphs are off for hybrid models until a GPU run has checked them "
+                     "(LUCEBOX_HYBRID_GRAPHS=1)" if graphs_off else "")
         self.runner = ModelRunner(loaded.model, self.kv, loaded.dtype)
-        if self.config.cuda_graphs and not self.hybrid:
+        if self.config.cuda_graphs and (not self.hybrid or cuda_graphs.HYBRID):  # a hybrid's: decode-only steps
             self.runner.enable_cuda_graphs(self.config.max_num_seqs, self.n_ctx, self.config.max_step_tokens)
         self.scheduler = Scheduler(
             self.kv,
@@ -305,7 +307,8 @@ class LLMEngine:
         try:
             measured = mp.measure_activations(self.loaded.model, self.loaded.dtype, dev, block_size=cfg.block_size,
                                               chunk=chunk, batch=cfg.max_num_seqs, n_ctx=self.n_ctx,
-                                              probe_tokens=probe, graphs=cfg.cuda_graphs and not self.hybrid,
+                                              probe_tokens=probe,
+                                              graphs=cfg.cuda_graphs and (not self.hybrid or cuda_graphs.HYBRID),
                                               kv_dtype=self.kv_dtype)
         except torch.cuda.OutOfMemoryError:
             where = f"--gpu-memory {cfg.gpu_memory:g} GB" if cap is not None else "the free device memory"

@@ -86,10 +86,11 @@ class ModelRunner:
     def enable_cuda_graphs(self, max_batch: int, max_ctx: int, max_rows: int = 0) -> None:
         """Replay decode steps from captured CUDA graphs, and prefill chunks of up to `max_rows` rows a step
         too (runtime/prefill_graphs.py) where their attention is one ragged group and nothing in the forward
-        reads the device from the host (a mixture of experts routes on the host). CUDA devices only."""
+        reads the device from the host (a mixture of experts routes on the host; a hybrid's prefill splits
+        its delta rule on the host's plan). CUDA devices only."""
         if self.device.type == "cuda":
             self.graphs = CudaGraphDecoder(self, max_batch, max_ctx)
-            if max_rows and self._ragged and self.cfg.n_experts == 0:
+            if max_rows and self._ragged and self.cfg.n_experts == 0 and self.kv.states is None:
                 self.prefill_graphs = PrefillGraphs(self, max_rows, max_batch, max_ctx)
 
     @property
@@ -212,7 +213,8 @@ class ModelRunner:
                 out = self.graphs.run(decodes)
                 if out is not None:
                     return decodes, out[0], out[1]
-            elif decodes:
+            elif decodes and self.kv.states is None:  # a hybrid's runs eagerly: if its prefill raised after
+                # the replay moved the decodes' states on, running the step again would move them twice
                 mixed = self._run_overlapped(decodes, [c for c in chunks if not is_decode(c)])
                 if mixed is not None:
                     return mixed

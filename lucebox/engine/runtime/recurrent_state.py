@@ -11,7 +11,9 @@ out: like KV block 0 it is scratch, for rows of sequences that own none (the CUD
 
 A step's new states are kept aside (`StateRows.stage`) and written to the slots only after the whole
 forward pass (`StateRows.commit`): a step that raises leaves every state as it was, so the engine can run
-its chunks again one by one, as it does for the KV cache (whose writes are idempotent).
+its chunks again one by one, as it does for the KV cache (whose writes are idempotent). One exception: in a
+CUDA graph replay of a decode step (runtime/cuda_graphs.py), which cannot stop half-way, the decode kernels
+write the slots in place (`StateRows.in_place`), saving the staging buffers and a copy of every state.
 
 The prefix cache needs a sequence's state at a few positions its prompt passes through (a turn boundary,
 the end of the prompt): it plans a `StateCapture` per position on the sequence's slot (`plan`), the
@@ -143,6 +145,9 @@ class StateRows:
     captures planned on that chunk's slot at a position the chunk reaches (0 <= offset <= rows).
     `trees[i]`: a verification chunk's row parents (-1: the slot's state; a chain is a tree too), None for
     a prefill chunk; its rows' states are kept for `RecurrentStates.accept` instead of written.
+    `in_place`: the decode rows' kernels (kernels/triton_deltanet.py) may write the new states into the slots
+    as they go, for a forward pass that cannot raise half-way (a CUDA graph replay); otherwise they are
+    staged like every other new state.
     """
 
     states: RecurrentStates
@@ -151,11 +156,13 @@ class StateRows:
     chunks: list[tuple[int, int, int, int]]
     captures: list[list[tuple[int, StateCapture]]] = field(default_factory=list)
     trees: list[list[int] | None] = field(default_factory=list)
+    in_place: bool = False
     _staged: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list, repr=False)
     _captured: list[tuple[int, StateCapture, torch.Tensor, torch.Tensor]] = field(default_factory=list, repr=False)
     _verified: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict, repr=False)
     _trees: dict[int, tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]] = field(default_factory=dict,
                                                                                           repr=False)
+    _rows: torch.Tensor | None = field(default=None, repr=False)  # arange(n_decode): the staged buffers' rows
 
     def __post_init__(self) -> None:
         planned = self.states.captures
@@ -199,6 +206,20 @@ class StateRows:
     def stage(self, layer: int, slots: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor) -> None:
         """Keep new states of `slots` for `commit` (the forward pass may still raise)."""
         self._staged.append((layer, slots, conv, ssm))
+
+    def decode_targets(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Where the decode rows' new states of linear layer `layer` go: (conv, ssm, slots) with row b's states
+        at slot slots[b] of conv [.., C, K-1] and ssm [.., Hv, Dk, Dv]: the rows' own slots when `in_place`,
+        else buffers staged for `commit`."""
+        nd, states = self.n_decode, self.states
+        if self.in_place:
+            return states.conv[layer], states.ssm[layer], self.slots[:nd]
+        conv = torch.empty(nd, *states.conv.shape[2:], dtype=torch.float32, device=states.conv.device)
+        ssm = torch.empty(nd, *states.ssm.shape[2:], dtype=torch.float32, device=states.ssm.device)
+        self.stage(layer, self.slots[:nd], conv, ssm)
+        if self._rows is None:
+            self._rows = torch.arange(nd, device=self.slots.device)
+        return conv, ssm, self._rows
 
     def capture(self, layer: int, capture: StateCapture, conv: torch.Tensor, ssm: torch.Tensor) -> None:
         """Keep one layer's state at `capture.position` ([channels, kernel - 1], [v_heads, k_dim, v_dim])."""

@@ -1,0 +1,223 @@
+"""The Gated DeltaNet decode kernels (lucebox/engine/kernels/triton_deltanet.py) against the plain-torch decode of
+models/qwen35.py, and the hybrid engine's kernel and CUDA graph paths against its eager torch path.
+
+The kernel tests run on CUDA, or on the CPU under Triton's interpreter (TRITON_INTERPRET=1; skipped otherwise):
+head shapes off the kernels' power-of-two blocks (odd key dims, more value columns than one block, one key
+head for three value heads), rows in slots out of order, a second step on reused slots, both write modes
+(staged for the commit, and in place). fp32 throughout. The CUDA graph test runs on CUDA only.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from lucebox.engine.kernels import triton_deltanet
+from lucebox.engine.models.config import ModelConfig
+from lucebox.engine.models.qwen35 import DeltaNetBlock
+from lucebox.engine.runtime.recurrent_state import RecurrentStates, StateRows
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+needs_kernel = pytest.mark.skipif(
+    triton_deltanet.triton is None or (DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1"),
+    reason="needs triton on CUDA, or TRITON_INTERPRET=1 on the CPU")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # the interpreter's numpy
+
+
+def linear_config(k_heads: int, v_heads: int, k_dim: int, v_dim: int, kernel: int) -> ModelConfig:
+    """One Gated DeltaNet layer of the given head shape (hidden 32)."""
+    return ModelConfig(arch="qwen35", name="deltanet", vocab_size=64, hidden_size=32, intermediate_size=64,
+                       num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, rms_norm_eps=1e-6, max_position=256,
+                       rope_theta=1e4, layer_types=["linear"], linear_k_heads=k_heads, linear_v_heads=v_heads,
+                       linear_k_dim=k_dim, linear_v_dim=v_dim, linear_conv_kernel=kernel)
+
+
+def random_block(cfg: ModelConfig, gen: torch.Generator) -> DeltaNetBlock:
+    block = DeltaNetBlock(cfg, 0)
+    with torch.no_grad():
+        for name, p in block.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * (0.4 if "conv" in name else 1.0))
+        block.ssm_a.copy_(-torch.rand(block.v_heads, generator=gen).exp())  # -exp(A_log), A_log in [0, 1)
+    return block.to(DEVICE)
+
+
+def step(block: DeltaNetBlock, states: RecurrentStates, slots: list[int], inputs: tuple[torch.Tensor, ...],
+         kernel: bool, in_place: bool, monkeypatch: pytest.MonkeyPatch) -> torch.Tensor:
+    """One decode step of `block` for rows in `slots` (the kernels or plain torch), committed; its outputs."""
+    monkeypatch.setattr(triton_deltanet, "ON_CPU", kernel)
+    monkeypatch.setattr(triton_deltanet, "ENABLED", kernel)
+    rows = StateRows(states, len(slots), torch.tensor(slots, device=DEVICE), [], in_place=in_place)
+    mixed, a, b = inputs
+    assert triton_deltanet.use_kernel(mixed) == kernel
+    out = torch.empty(len(slots), block.v_heads, block.v_dim, device=DEVICE)
+    before = states.conv.clone(), states.ssm.clone()
+    block.decode(mixed, a, b, rows, 0, out)
+    if not in_place:  # staged: nothing is written before the commit (a step that raises leaves the states)
+        assert torch.equal(states.conv, before[0]) and torch.equal(states.ssm, before[1])
+    rows.commit()
+    return out
+
+
+# (k heads, v heads, k dim, v dim, conv kernel): the tiny test models' shape, one key head for three value
+# heads with dims off the blocks, and more value columns than one block (40 > 32) with a 3-tap conv.
+SHAPES = [(2, 4, 16, 16, 4), (1, 3, 8, 12, 4), (3, 3, 5, 40, 3)]
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("in_place", [False, True], ids=["staged", "in_place"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_decode_kernel_matches_torch(shape, in_place: bool, dtype: torch.dtype,
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two steps: rows in slots 3, 1, 4 of 5 (random states), then slots 4 and 3 again; outputs and every slot's
+    states (the untouched ones too) equal the torch path's. Projections in `dtype` (a bf16 model's), math in
+    fp32."""
+    gen = torch.Generator().manual_seed(sum(shape))
+    cfg = linear_config(*shape)
+    block = random_block(cfg, gen)
+    ref_states = RecurrentStates(cfg, 5, DEVICE)
+    ref_states.conv.copy_(torch.randn(ref_states.conv.shape, generator=gen))
+    ref_states.ssm.copy_(torch.randn(ref_states.ssm.shape, generator=gen) * 0.3)
+    states = RecurrentStates(cfg, 5, DEVICE)
+    states.conv.copy_(ref_states.conv)
+    states.ssm.copy_(ref_states.ssm)
+    for slots in ([3, 1, 4], [4, 3]):
+        n = len(slots)
+        inputs = tuple((torch.randn(n, m, generator=gen) * scale).to(DEVICE, dtype)
+                       for m, scale in ((block.conv_dim, 1), (block.v_heads, 2), (block.v_heads, 2)))
+        ref = step(block, ref_states, slots, inputs, False, False, monkeypatch)
+        ours = step(block, states, slots, inputs, True, in_place, monkeypatch)
+        torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(states.conv, ref_states.conv, rtol=0, atol=0)  # a shift: exact
+        torch.testing.assert_close(states.ssm, ref_states.ssm, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize(("heads", "k_dim", "v_dim"), [(3, 8, 20), (2, 16, 40)])
+def test_chunk_scan_matches_torch(monkeypatch: pytest.MonkeyPatch, heads: int, k_dim: int, v_dim: int) -> None:
+    """The chunked delta rule with its pass over the blocks in the kernel, from a non-zero state over 150 rows
+    (2 x 64 + 22), dims off the kernel's blocks (8 < 16 keys; 20 and 40 value columns): the torch loop's outputs
+    and final state."""
+    from lucebox.engine.models.qwen35 import chunk_gated_delta
+
+    gen = torch.Generator().manual_seed(heads + k_dim)
+    T = 150
+    q, k = (torch.nn.functional.normalize(torch.randn(T, heads, k_dim, generator=gen), dim=-1).to(DEVICE)
+            for _ in range(2))
+    v = torch.randn(T, heads, v_dim, generator=gen).to(DEVICE)
+    g = (-torch.rand(T, heads, generator=gen) * 2).to(DEVICE)
+    beta = torch.rand(T, heads, generator=gen).to(DEVICE)
+    s0 = torch.randn(heads, k_dim, v_dim, generator=gen).to(DEVICE)
+    monkeypatch.setattr(triton_deltanet, "ENABLED", False)
+    ref, ref_state = chunk_gated_delta(q, k, v, g, beta, s0)
+    monkeypatch.setattr(triton_deltanet, "ENABLED", True)
+    monkeypatch.setattr(triton_deltanet, "ON_CPU", True)
+    calls = []
+    scan = triton_deltanet.chunk_scan
+    monkeypatch.setattr(triton_deltanet, "chunk_scan", lambda *a: calls.append(1) or scan(*a))
+    out, state = chunk_gated_delta(q, k, v, g, beta, s0)
+    assert calls == [1]
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state, ref_state, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_engine_kernel_path_gives_torch_tokens(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tiny qwen35 (fp32) decoding two prompts together through the kernels gives the torch path's greedy
+    tokens; the kernels ran for every linear layer of every decode step."""
+    pytest.importorskip("transformers")
+    from lucebox.engine.runtime.llm_engine import EngineConfig, LLMEngine
+    from lucebox.engine.runtime.sampler import SamplingParams
+    from tests.fixtures.tiny_models import write_tiny_qwen35_gguf
+
+    path = write_tiny_qwen35_gguf(tmp_path / "tiny.gguf")
+    prompts = [[(7 * i + 3) % 300 + 3 for i in range(11)], [(5 * i + 1) % 300 + 3 for i in range(6)]]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+    def tokens() -> list[list[int]]:
+        config = EngineConfig(device=DEVICE, dtype="float32", kv_tokens=512, max_step_tokens=16, cuda_graphs=False)
+        return LLMEngine.from_path(path, config, quiet=True).generate(prompts, params)
+
+    monkeypatch.setattr(triton_deltanet, "ENABLED", False)
+    eager = tokens()
+    calls = []
+    kernel = triton_deltanet.decode_step
+    monkeypatch.setattr(triton_deltanet, "decode_step", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+    monkeypatch.setattr(triton_deltanet, "ENABLED", True)
+    monkeypatch.setattr(triton_deltanet, "ON_CPU", True)
+    assert tokens() == eager
+    assert len(calls) >= 4 * 5  # 4 linear layers x at least 5 decode steps
+
+
+@needs_kernel
+def test_in_place_step_equals_staged_step(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode step of the tiny qwen35 as a CUDA graph runs it (every linear layer's kernels writing the slots in
+    place) gives the eager step's logits and new states (staged, then committed), bit for bit."""
+    pytest.importorskip("transformers")
+    from lucebox.engine.runtime.llm_engine import EngineConfig, LLMEngine
+    from lucebox.engine.runtime.model_runner import is_decode
+    from lucebox.engine.runtime.sampler import SamplingParams
+    from tests.fixtures.tiny_models import write_tiny_qwen35_gguf
+
+    monkeypatch.setattr(triton_deltanet, "ON_CPU", True)
+    monkeypatch.setattr(triton_deltanet, "ENABLED", True)
+    config = EngineConfig(device=DEVICE, dtype="float32", kv_tokens=512, max_step_tokens=16, cuda_graphs=False)
+    e = LLMEngine.from_path(write_tiny_qwen35_gguf(tmp_path / "tiny.gguf"), config, quiet=True)
+    for n in (5, 9):
+        e.add([(3 * i + 7) % 300 + 3 for i in range(n)], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    while e.scheduler.waiting or any(s.num_pending > 1 for s in e.scheduler.running):
+        e.step()
+    chunks = e.scheduler.schedule()
+    assert len(chunks) == 2 and all(is_decode(c) for c in chunks)
+    states = e.kv.states
+    before = states.conv.clone(), states.ssm.clone()
+    results = []
+    for in_place in (False, True):
+        states.conv.copy_(before[0])
+        states.ssm.copy_(before[1])
+        inputs = e.runner.prepare(chunks)
+        inputs.state.in_place = in_place
+        results.append((e.runner.forward(inputs).logits, states.conv.clone(), states.ssm.clone()))
+    for staged, in_place in zip(*results):
+        assert torch.equal(staged, in_place)
+    assert not torch.equal(results[0][2], before[1])  # the step moved the states on
+
+
+@needs_cuda
+@pytest.mark.parametrize("moe", [False, True], ids=["qwen35", "qwen35moe"])
+def test_graph_decode_equals_eager(tmp_path, moe: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA, decode steps replayed from CUDA graphs (the state slots among the graph's packed inputs, the
+    kernels updating them in place) give the eager engine's greedy tokens, for batches of 1 to 3 sequences
+    that start and end at different steps (graph buckets change, padding rows use the scratch slot).
+    Both are off by default until this passes on a GPU (LUCEBOX_HYBRID_GRAPHS, LUCEBOX_DELTANET_KERNEL)."""
+    pytest.importorskip("transformers")
+    from lucebox.engine.runtime import cuda_graphs
+
+    monkeypatch.setattr(cuda_graphs, "HYBRID", True)
+    monkeypatch.setattr(triton_deltanet, "ENABLED", True)
+    from lucebox.engine.runtime.llm_engine import EngineConfig, LLMEngine
+    from lucebox.engine.runtime.sampler import SamplingParams
+    from tests.fixtures.tiny_models import write_tiny_qwen35_gguf
+
+    path = write_tiny_qwen35_gguf(tmp_path / "tiny.gguf", moe=moe)
+    prompts = [[(7 * i + 3) % 300 + 3 for i in range(n)] for n in (40, 9, 23)]
+    lengths = [20, 12, 16]
+
+    def run(graphs: bool) -> tuple[list[list[int]], LLMEngine]:
+        config = EngineConfig(device="cuda", dtype="float32", kv_tokens=1024, max_step_tokens=16,
+                              max_num_seqs=4, cuda_graphs=graphs)
+        e = LLMEngine.from_path(path, config, quiet=True)
+        seqs = [e.add(p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+                for p, n in zip(prompts, lengths)]
+        while e.has_work():
+            e.step()
+        return [s.output_ids for s in seqs], e
+
+    eager, _ = run(False)
+    replayed, e = run(True)
+    assert e.runner.graphs is not None and e.runner.graphs.graphs  # decode steps took graphs
+    assert replayed == eager
+    assert e.kv.states.num_free == e.kv.states.num_slots
