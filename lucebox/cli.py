@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -38,6 +39,9 @@ def add_engine_args(p: argparse.ArgumentParser, positional: bool = False) -> Non
                         "graphs, KV cache); the KV cache gets what remains (default: what is free on the device); "
                         "CUDA only")
     p.add_argument("--chat-template-file", type=Path, default=None, help="jinja chat template overriding the model's")
+    p.add_argument("--tensor-parallel", "-tp", type=int, default=None, metavar="N",
+                   help="split the model over N processes, one per GPU (gloo on the CPU); under torchrun, "
+                        "WORLD_SIZE of them on any hosts (README: Several GPUs)")
 
 
 def add_decoding_args(p: argparse.ArgumentParser) -> None:
@@ -434,7 +438,8 @@ def engine_config(args: argparse.Namespace, **overrides: Any) -> Any:
 
     return EngineConfig(device=args.device, dtype=args.dtype, n_ctx=args.n_ctx,
                         weights=getattr(args, "weights", "auto"), kv_dtype=getattr(args, "kv_dtype", None) or "auto",
-                        gpu_memory=getattr(args, "gpu_memory", None), **overrides)
+                        gpu_memory=getattr(args, "gpu_memory", None),
+                        tensor_parallel=getattr(args, "tensor_parallel", None) or 1, **overrides)
 
 
 def engine_from_args(args: argparse.Namespace, **overrides: Any) -> Any:
@@ -509,6 +514,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def tp_follower(args: argparse.Namespace) -> int:
+    """A rank other than 0 under torchrun: run rank 0's steps on this rank's shard (engine/parallel/worker.py)."""
+    from lucebox.engine.parallel.worker import follower_main
+    from lucebox.engine.runtime.llm_engine import EngineConfig
+
+    device = EngineConfig(device=args.device).resolve_device()
+    return follower_main(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), device.type)
+
+
 def take_positional_model(args: argparse.Namespace) -> None:
     """`serve MODEL` / `generate MODEL` mean `--model MODEL`; both, naming different models, is an error."""
     path = getattr(args, "model_path", None)
@@ -547,6 +561,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         take_positional_model(args)
+        if (getattr(args, "tensor_parallel", None) or 1) > 1 and int(os.environ.get("RANK", "0")) > 0:
+            return tp_follower(args)  # torchrun started this rank: it serves no requests
         return args.func(args)
     except LuceboxError as exc:
         print(f"lucebox: error: {exc}", file=sys.stderr)

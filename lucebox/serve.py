@@ -56,6 +56,7 @@ class ServerConfig:
     max_step_tokens: int = 2048
     prefill_pacing: bool = False  # cap prefill chunks while streams decode (engine/runtime/pacing.py)
     kv_tokens: int | None = None
+    tensor_parallel: int = 1  # ranks (GPUs) the model is split over (engine/parallel)
     draft: str | None = None  # DFlash drafter folder; None = plain decoding (see drafter_hint)
     no_draft: bool = False
     ddtree: bool = False
@@ -119,6 +120,7 @@ class ServerConfig:
             max_step_tokens=pick("max_step_tokens", "LUCEBOX_MAX_STEP_TOKENS", int, 2048),
             prefill_pacing=bool(getattr(args, "prefill_pacing", False)),
             kv_tokens=pick("kv_tokens", "LUCEBOX_KV_TOKENS", int, None),
+            tensor_parallel=pick("tensor_parallel", "LUCEBOX_TENSOR_PARALLEL", int, 1),
             draft=pick("draft", "LUCEBOX_DRAFT", str, None),
             no_draft=bool(getattr(args, "no_draft", False)),
             ddtree=bool(getattr(args, "ddtree", False)),
@@ -154,6 +156,10 @@ class ServerConfig:
             raise LuceboxError(str(exc)) from None
         if self.gpu_memory is not None and not self.gpu_memory > 0:
             raise LuceboxError(f"--gpu-memory must be a positive number of GB, got {self.gpu_memory}")
+        if self.tensor_parallel < 1:
+            raise LuceboxError(f"--tensor-parallel must be at least 1, got {self.tensor_parallel}")
+        if self.tensor_parallel > 1 and (self.spark is not None or self.expert_gpu_budget is not None):
+            raise LuceboxError("--spark / --expert-gpu-budget do not combine with --tensor-parallel yet")
         if self.max_connections is not None and self.max_connections < 1:
             raise LuceboxError(f"--max-connections must be at least 1, got {self.max_connections}")
         if not self.request_timeout > 0:
@@ -255,7 +261,7 @@ def load_into(ctx: ServerContext, cfg: ServerConfig) -> Any:
                               n_ctx=cfg.n_ctx,
                               kv_tokens=cfg.kv_tokens, gpu_memory=cfg.gpu_memory, max_num_seqs=cfg.max_num_seqs,
                               max_step_tokens=cfg.max_step_tokens, prefill_pacing=cfg.prefill_pacing, draft=draft,
-                              ddtree=cfg.ddtree, ddtree_budget=cfg.ddtree_budget)
+                              ddtree=cfg.ddtree, ddtree_budget=cfg.ddtree_budget, tensor_parallel=cfg.tensor_parallel)
     if cfg.spark_config() is not None:
         from lucebox.engine.spark.engine import spark_engine
 
@@ -324,6 +330,9 @@ def enable_pflash(engine: Any, cfg: ServerConfig) -> Any:
 
     cfg.validate()
     if cfg.prefill_compression == "off":
+        return None
+    if cfg.tensor_parallel > 1:  # its scorer would run the sharded target's layers on rank 0 alone
+        log.info("PFlash is off under --tensor-parallel")
         return None
     target = engine.loaded
     scorer = target

@@ -72,6 +72,7 @@ class MoE(nn.Module):
 
     route_counter: Any = None  # spark.profile.RouteCounter while calibrating: called with (layer, ids)
     offload: Any = None  # spark.offload.LayerOffload when Spark placed this layer's experts
+    reduce: Any = None  # tensor parallelism (engine/parallel/shard.py): sums the ranks' partial outputs
 
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
@@ -81,6 +82,7 @@ class MoE(nn.Module):
         self.layer, self.n_experts, self.top_k, self.ff, self.hidden = layer, e, cfg.n_experts_used, ff, h
         self.router, self.norm_topk, self.scale = cfg.moe_router, cfg.norm_topk_prob, cfg.expert_weights_scale
         self.act = cfg.hidden_act
+        self.held = range(e)  # the experts whose weights this module holds (tensor parallelism: a rank's share)
         self.ffn_gate_inp = Linear(h, e)
         if self.router == "sigmoid":
             self.exp_probs_b = ExpertBias(e)
@@ -130,7 +132,11 @@ class MoE(nn.Module):
         if triton_moe.use_kernel(x):
             stacked = [p.quant if p.qtype is not None else p.weight
                        for p in (self.ffn_gate_exps, self.ffn_up_exps, self.ffn_down_exps)]
-            return triton_moe.moe_experts(x, weights, ids, self.n_experts, *stacked, self.act)
+            held = self.held
+            if len(held) < self.n_experts:  # a rank's share: others' pairs weigh 0 (no host sync)
+                mine = (ids >= held.start) & (ids < held.stop)
+                weights, ids = weights * mine.to(weights.dtype), torch.where(mine, ids - held.start, 0)
+            return triton_moe.moe_experts(x, weights, ids, len(held), *stacked, self.act)
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
             return self.experts_every(x, weights, ids)
         flat = ids.reshape(-1)
@@ -146,7 +152,8 @@ class MoE(nn.Module):
                 continue
             seg = slice(start, start + n)
             start += n
-            out.index_add_(0, rows[seg], self.expert(xs[seg], e) * pair_weights[seg])
+            if e in self.held:
+                out.index_add_(0, rows[seg], self.expert(xs[seg], e - self.held.start) * pair_weights[seg])
         return out
 
     def experts_every(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -154,8 +161,8 @@ class MoE(nn.Module):
         scattered into [T, n_experts] (zero where not chosen): what a CUDA graph captures with the kernel off."""
         dense = torch.zeros(x.shape[0], self.n_experts, device=x.device, dtype=x.dtype).scatter_(1, ids, weights)
         out = torch.zeros_like(x)
-        for e in range(self.n_experts):
-            out += self.expert(x, e) * dense[:, e, None]
+        for e in self.held:
+            out += self.expert(x, e - self.held.start) * dense[:, e, None]
         return out
 
     def expert(self, x: torch.Tensor, e: int) -> torch.Tensor:
@@ -177,4 +184,4 @@ class MoE(nn.Module):
         out = (self.experts if self.offload is None else self.offload.experts)(x, weights, ids)
         if hasattr(self, "ffn_down_shexp"):
             out = out + self.shared(x)
-        return out
+        return out if self.reduce is None else self.reduce(out)

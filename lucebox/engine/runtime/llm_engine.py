@@ -70,6 +70,7 @@ class EngineConfig:
     spec_static: bool | None = None  # fixed-shape (CUDA-graph) speculative steps; None = on CUDA only
     weights: str = "auto"  # GGUF quant blocks: auto (quantized on CUDA only if dense won't fit) | quantized | dense
     kv_dtype: str = "auto"  # KV cache storage: auto (the model's dtype) | bf16 (a bf16 model) | q8_0 (int8 + scales)
+    tensor_parallel: int = 1  # ranks the model is split over (engine/parallel); 1: this process alone
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":
@@ -172,6 +173,10 @@ class LLMEngine:
             raise LuceboxError(f"--weights is {config.weights}; choose from {', '.join(WEIGHTS)}")
         if config.kv_dtype not in KV_DTYPES:
             raise LuceboxError(f"--kv-dtype is {config.kv_dtype!r}; choose from {', '.join(KV_DTYPES)}")
+        if config.tensor_parallel > 1:
+            from lucebox.engine.parallel.worker import tensor_parallel_engine
+
+            return tensor_parallel_engine(Path(path), config, quiet)
         cap = None
         if config.gpu_memory is not None and device.type == "cuda":
             from lucebox.engine.runtime.memory_plan import apply_cap
@@ -200,7 +205,7 @@ class LLMEngine:
                         "(%.1f MiB each) do not fit the memory plan", RecurrentStates.bytes_per_slot(
                             self.model_config) / 2**20)
             return
-        spec = SpecDecoder(drafter, self.loaded.model, self.kv, ddtree=ddtree, budget=budget, dtype=self.loaded.dtype,
+        spec = SpecDecoder(drafter, self.drafter_target, self.kv, ddtree=ddtree, budget=budget, dtype=self.loaded.dtype,
                            max_rows=self.verify_rows)
         if self.hybrid:
             slot = RecurrentStates.bytes_per_slot(self.model_config)
@@ -211,6 +216,11 @@ class LLMEngine:
         self.draft_path = Path(draft)
         log.info("speculative decoding: DFlash drafter %s (%d layers, block %d)%s", draft,
                  drafter.cfg.num_layers, drafter.cfg.block_size, f", DDTree budget {budget}" if ddtree else "")
+
+    @property
+    def drafter_target(self) -> Any:
+        """Where the drafter reads the target's embedding and LM head (engine/parallel: whole copies on rank 0)."""
+        return self.loaded.model
 
     def _load_drafter(self, draft: Path) -> Any:
         from lucebox.engine.spec.drafter import load_drafter

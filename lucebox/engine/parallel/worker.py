@@ -1,0 +1,298 @@
+"""One process per rank: rank 0 runs the engine (scheduler, sampling, the server above it) on its shard and
+sends each step's plan; every other rank runs the same forward on its shard, from the plan.
+
+Processes: `-tp N` on one host spawns ranks 1..N-1 from rank 0 (torch.multiprocessing, start method spawn);
+under `torchrun` (several hosts, or one) every rank is started by torchrun and finds the others through its
+environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK), and ranks other than 0 enter
+`follower_main` from the CLI instead of serving.
+
+Each step: rank 0's runner broadcasts the step's chunks as one compact array (plan.py) before its forward;
+the others rebuild the chunks, run ModelRunner.prepare and forward on them (the same rows, slots and
+attention groups), and meet rank 0 in every collective of the forward. Each rank's KV cache holds its own
+K/V heads at the same slots, so blocks the prefix cache shares on rank 0 hold the right K/V on every rank.
+
+Failure: a rank that exits is seen by rank 0's watchdog (spawned ranks) or by the next collective, and a
+spawned rank watches its parent; either way the process that notices exits non-zero with the reason
+(group.fatal), never waits forever.
+
+Speculative decoding: a DFlash chain, its drafter on rank 0 alone (WholeHeads says why). Not under tensor
+parallelism yet (refused or switched off with a log line): DDTree (accepting a tree path moves K/V rows,
+on rank 0 only), the prefix cache's RAM and disk tiers (their snapshots copy rank 0's KV only; the device tier works),
+CUDA graphs (decode runs eagerly), PFlash, Spark offload and hybrid (DeltaNet) models.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+
+from lucebox.engine.models.decoder import DecoderModel
+from lucebox.engine.parallel.group import Comm, close_group, fatal, init_group
+from lucebox.engine.parallel.plan import decode_plan, encode_plan
+from lucebox.engine.parallel.shard import check_shardable, shard_model
+from lucebox.engine.runtime.llm_engine import WEIGHTS, EngineConfig, LLMEngine
+from lucebox.engine.runtime.model_runner import ModelRunner, StepInputs, StepResult
+from lucebox.engine.weights.loader import LoadedModel, load_model, read_model_config
+from lucebox.errors import LuceboxError
+
+log = logging.getLogger(__name__)
+
+WATCH_S = 0.2  # how often rank 0 checks its spawned ranks (and they their parent)
+
+
+class LeaderRunner(ModelRunner):
+    """Rank 0's runner: every forward first sends its plan, so the other ranks run the same one."""
+
+    comm: Comm
+    closed = False
+
+    def forward(self, inputs: StepInputs, capture: tuple[int, ...] = ()) -> StepResult:
+        if self.closed:
+            raise LuceboxError("this tensor-parallel engine was closed (another one was loaded)")
+        self.comm.send_plan(encode_plan(inputs.order, tuple(capture), self.kv.block_size))
+        try:
+            return super().forward(inputs, capture)
+        except Exception as exc:  # noqa: BLE001 - the other ranks ran this step: a retry would be out of step
+            fatal(f"rank 0: a forward failed after its plan was sent ({type(exc).__name__}: {exc})")
+
+
+class TPEngine(LLMEngine):
+    """LLMEngine on rank 0 of a tensor-parallel group: the same scheduler and sampling over the sharded model."""
+
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, group: TPGroup,
+                 heads: WholeHeads | None = None) -> None:
+        self.heads = heads  # before LLMEngine's __init__: it enables speculation with them
+        super().__init__(loaded, config)
+        self.tp = group
+        runner = LeaderRunner(loaded.model, self.kv, loaded.dtype)
+        runner.comm = group.comm
+        self.runner = runner
+
+    @property
+    def drafter_target(self) -> Any:
+        if self.heads is None:
+            raise LuceboxError("speculation under --tensor-parallel needs --draft at load (the whole embedding and "
+                               "head are kept for it then)")
+        return self.heads
+
+    def enable_prefix_cache(self, cfg: Any, template: Any = None) -> None:
+        """The device tier only: RAM and disk snapshots would hold rank 0's K/V heads alone."""
+        if cfg.prefix_slots or cfg.exact_slots or cfg.disk_dir is not None:
+            log.info("prefix cache under --tensor-parallel: device blocks only (RAM and disk snapshots off)")
+            cfg = dataclasses.replace(cfg, prefix_slots=0, exact_slots=0, disk_dir=None)
+        super().enable_prefix_cache(cfg, template)
+
+    def score(self, token_ids: list[int]) -> torch.Tensor:
+        raise LuceboxError("score() runs the model outside a step; not available with --tensor-parallel")
+
+    def close(self) -> None:
+        """Let the other ranks drop this engine (they then wait for the next load)."""
+        self.tp.release(self)
+
+
+class WholeHeads(nn.Module):
+    """The target's embedding and LM head, unsharded, on rank 0: what the DFlash drafter reads (its input rows
+    are target embeddings, its logits the target's head). The drafter runs on rank 0 alone: it is small, its
+    other input (the target's captured hidden states) is whole on every rank after the all-reduces, and its
+    proposals reach the other ranks inside the verification's plan, so it needs no collective, no copy per
+    rank and no drafter KV on the others; the price is one whole embedding (and untied head) on rank 0."""
+
+    embed = DecoderModel.embed
+    lm_head = DecoderModel.lm_head
+
+    def __init__(self, model: DecoderModel) -> None:
+        super().__init__()
+        self.cfg = model.cfg
+        self.token_embd = model.token_embd
+        if not model.cfg.tie_word_embeddings:
+            self.output = model.output
+
+
+def load_shard(path: Path, config: EngineConfig, comm: Comm, quiet: bool = False,
+               keep_heads: bool = False) -> tuple[LoadedModel, WholeHeads | None]:
+    """This rank's shard: the model read on the host, split (shard.py), then moved to the rank's device, so a
+    device only ever holds its share (and, `keep_heads`, the whole embedding and head for a drafter).
+    GGUF blocks stay quantized on CUDA unless --weights dense."""
+    device = comm.device
+    dtype = config.resolve_dtype(device)
+    quantized = WEIGHTS[config.weights]
+    loaded = load_model(path, device="cpu", dtype=dtype, quiet=quiet,
+                        quantized=device.type == "cuda" if quantized is None else quantized)
+    heads = WholeHeads(loaded.model) if keep_heads else None
+    loaded.config = shard_model(loaded.model, comm)
+    loaded.model.to(device)
+    if heads is not None:
+        heads.to(device)
+    loaded.device = device
+    return loaded, heads
+
+
+class TPGroup:
+    """Rank 0's side of the group: the spawned ranks, their watchdog, and the load/plan messages."""
+
+    current: ClassVar[TPGroup | None] = None
+
+    def __init__(self, world: int, device_type: str) -> None:
+        self.world, self.procs, self.closing, self.engaged = world, [], False, False
+        self.active: TPEngine | None = None
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun
+            if int(os.environ["WORLD_SIZE"]) != world or int(os.environ["RANK"]) != 0:
+                raise LuceboxError(f"--tensor-parallel {world} under torchrun needs WORLD_SIZE={world} "
+                                   f"(got {os.environ['WORLD_SIZE']}) and the engine on RANK 0")
+            self.comm = init_group(0, world, device_type)
+        else:
+            init = f"tcp://127.0.0.1:{_free_port()}"
+            ctx = mp.get_context("spawn")
+            for rank in range(1, world):
+                p = ctx.Process(target=follower_main, args=(rank, world, device_type, init), daemon=True,
+                                name=f"lucebox-tp{rank}")
+                p.start()
+                self.procs.append(p)
+            threading.Thread(target=self._watch, name="lucebox-tp-watchdog", daemon=True).start()
+            self.comm = init_group(0, world, device_type, init)
+        atexit.register(self.close)
+
+    @classmethod
+    def get(cls, world: int, device_type: str) -> TPGroup:
+        """The process's group of `world` ranks, started on first use."""
+        if cls.current is None:
+            cls.current = TPGroup(world, device_type)
+        elif cls.current.world != world or cls.current.comm.device.type != device_type:
+            raise LuceboxError(f"a tensor-parallel group of {cls.current.world} ranks on "
+                               f"{cls.current.comm.device.type} is running already")
+        return cls.current
+
+    @property
+    def pids(self) -> list[int]:
+        """The spawned ranks' process ids (rank 1 first)."""
+        return [p.pid for p in self.procs]
+
+    def load(self, path: Path, config: EngineConfig, quiet: bool = False) -> TPEngine:
+        """Load `path` on every rank (each its shard) and return rank 0's engine; a previous one is released."""
+        check_config(path, config)
+        config = dataclasses.replace(config, cuda_graphs=False, spec_static=False)
+        self.release()
+        self.comm.broadcast_object(("load", str(path), dataclasses.replace(config, draft=None)))
+        try:
+            loaded, heads = load_shard(path, config, self.comm, quiet, keep_heads=bool(config.draft))
+            engine: TPEngine | None = TPEngine(loaded, config, self, heads)
+            error = None
+        except LuceboxError as exc:  # the same file refused on every rank, most likely: say which
+            engine, error = None, str(exc)
+        errors = self.comm.gather_objects(error)
+        failed = next((f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None), None)
+        if failed is not None:
+            raise LuceboxError(failed)
+        self.engaged, self.active = True, engine
+        log.info("tensor parallelism: %d ranks (%s), rank 0 serves", self.world, self.comm.device.type)
+        return self.active
+
+    def release(self, engine: TPEngine | None = None) -> None:
+        """Close the engine the other ranks run plans for (`engine`: only if it is that one)."""
+        if engine is not None and engine is not self.active:
+            return
+        if self.active is not None:
+            self.active.runner.closed = True  # type: ignore[attr-defined]
+            self.active = None
+        if self.engaged:
+            self.comm.send_plan(None)
+            self.engaged = False
+
+    def close(self) -> None:
+        """Stop every rank (at exit, or when done with the group)."""
+        if self.closing:
+            return
+        self.closing = True
+        self.release()
+        self.comm.broadcast_object(("exit",))
+        for p in self.procs:
+            p.join(timeout=30)
+        close_group()
+        if TPGroup.current is self:
+            TPGroup.current = None
+
+    def _watch(self) -> None:
+        while not self.closing:
+            for rank, p in enumerate(self.procs, start=1):
+                if p.exitcode is not None and not self.closing:
+                    fatal(f"rank {rank} (pid {p.pid}) exited with code {p.exitcode}")
+            time.sleep(WATCH_S)
+
+
+def tensor_parallel_engine(path: Path, config: EngineConfig, quiet: bool = False) -> TPEngine:
+    """LLMEngine.from_path for --tensor-parallel N > 1: rank 0's engine, the other ranks started and loaded."""
+    device = config.resolve_device()
+    check_config(path, config)  # before any process starts
+    return TPGroup.get(config.tensor_parallel, device.type).load(path, config, quiet)
+
+
+def check_config(path: Path, config: EngineConfig) -> None:
+    """Refuse, with the reason, what tensor parallelism cannot run (yet)."""
+    check_shardable(read_model_config(path), config.tensor_parallel)
+    if config.draft and config.ddtree:  # accepting a tree path moves K/V rows on rank 0 alone
+        raise LuceboxError("DDTree (--ddtree) is not supported with --tensor-parallel yet (a DFlash chain is)")
+    if config.resolve_device().type == "cuda" and not config.kv_tokens:
+        raise LuceboxError("--tensor-parallel on CUDA needs --kv-tokens (the memory plan is one device's)")
+
+
+def follower_main(rank: int, world: int, device_type: str, init_method: str = "env://") -> int:
+    """A rank other than 0: join the group, then load each model rank 0 loads and run its steps' plans."""
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s rank {rank} %(levelname).1s %(name)s: "
+                            "%(message)s", datefmt="%H:%M:%S")
+    if init_method != "env://":  # spawned by rank 0: end with it, and when it decides (Ctrl-C reaches both)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        parent = os.getppid()
+        threading.Thread(target=_watch_parent, args=(parent, rank), name="lucebox-tp-parent", daemon=True).start()
+    if device_type == "cpu":  # the ranks share the host's cores (rank 0 keeps its own setting)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    comm = init_group(rank, world, device_type, init_method)
+    engine: LLMEngine | None = None
+    while True:
+        msg = comm.broadcast_object()
+        if msg[0] == "exit":
+            break
+        _, path, config = msg
+        engine = None  # the previous model's memory goes before the next one loads
+        try:
+            engine, error = LLMEngine(load_shard(Path(path), config, comm, quiet=True)[0], config), None
+        except LuceboxError as exc:  # told to rank 0, which raises it; wait for the next load
+            error = str(exc)
+        if any(e is not None for e in comm.gather_objects(error)):
+            engine = None
+            continue
+        assert engine is not None
+        run_plans(engine.runner, comm)
+    close_group()
+    return 0
+
+
+def run_plans(runner: ModelRunner, comm: Comm) -> None:
+    """Run rank 0's steps on this rank's shard until it closes the engine."""
+    while (plan := comm.recv_plan()) is not None:
+        chunks, capture = decode_plan(plan)
+        runner.forward(runner.prepare(chunks), capture)
+
+
+def _watch_parent(parent: int, rank: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(WATCH_S)
+    fatal(f"rank {rank}: rank 0 (pid {parent}) is gone")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,228 @@
+"""Tensor parallelism (engine/parallel) on the CPU: 2 ranks over gloo, fp32, tiny random models.
+
+The test process is rank 0 (one group for the module, a spawned rank 1); each architecture's greedy tokens
+and top-3 logprobs at 2 ranks equal one rank's (the logprobs to float rounding: the all-reduce sums the
+heads' partial products in another order). A killed rank makes its peer exit non-zero within seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from lucebox.cache.manager import CacheConfig
+from lucebox.engine.parallel.group import FATAL_EXIT, PLAN_WORDS
+from lucebox.engine.parallel.worker import TPGroup
+from lucebox.engine.runtime.llm_engine import EngineConfig, LLMEngine
+from lucebox.engine.runtime.sampler import SamplingParams
+from lucebox.engine.spec.drafter import DFlashDrafter, drafter_config_for, save_drafter
+from lucebox.engine.weights.loader import read_model_config
+from lucebox.errors import LuceboxError
+from tests.fixtures.tiny_models import ARCHS, MOE_ARCHS, write_tiny_laguna_hf, write_tiny_qwen35_hf
+
+PROMPTS = [[1, 5, 9, 22, 7, 3, 11, 40, 41, 2, 8, 9, 100, 3, 5, 7, 9, 11, 13, 15], [4, 8, 15, 16, 23, 42]]
+GREEDY = SamplingParams(max_tokens=6, logprobs=3)
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def engine(path: Path, tp: int = 1, weights: str = "auto") -> LLMEngine:
+    return LLMEngine.from_path(path, EngineConfig(device="cpu", kv_tokens=512, tensor_parallel=tp, weights=weights),
+                               quiet=True)
+
+
+def run(eng: LLMEngine, prompts: list[list[int]], params: SamplingParams = GREEDY) -> list:
+    """Each request's (output ids, per token (id, top-3 ids, logprob), prompt tokens the prefix cache gave);
+    the requests run batched."""
+    seqs = [eng.add(p, params) for p in prompts]
+    while any(not s.is_finished for s in seqs):
+        eng.step()
+    return [(s.output_ids, [(lp.token_id, [t for t, _ in lp.top], lp.logprob) for lp in s.logprobs], s.num_cached)
+            for s in seqs]
+
+
+def assert_same(one: list, two: list) -> None:
+    for (ids1, lps1, _), (ids2, lps2, _) in zip(one, two, strict=True):
+        assert ids2 == ids1
+        assert [lp[:2] for lp in lps2] == [lp[:2] for lp in lps1]
+        assert max(abs(a[2] - b[2]) for a, b in zip(lps1, lps2)) < 1e-4
+
+
+@pytest.fixture(scope="module")
+def group():
+    """The 2-rank group every test here loads its models into (rank 1 spawned once)."""
+    yield TPGroup.get(2, "cpu")
+    if TPGroup.current is not None:
+        TPGroup.current.close()
+
+
+@pytest.mark.parametrize("arch", ARCHS + MOE_ARCHS)
+def test_two_ranks_give_one_ranks_tokens(group, tiny_gguf, arch):
+    path = tiny_gguf(arch)
+    one, two = run(engine(path), PROMPTS), run(engine(path, tp=2), PROMPTS)
+    assert_same(one, two)
+    full, shard = read_model_config(path), group.active
+    assert shard.model_config.num_heads * 2 == full.num_heads
+    assert shard.kv.data.shape[3] == max(full.num_kv_heads // 2, 1)  # this rank's K/V heads (or the one shared)
+
+
+def test_laguna_per_layer_heads_and_output_gate(group, tmp_path):
+    path = write_tiny_laguna_hf(tmp_path / "laguna")
+    assert_same(run(engine(path), PROMPTS), run(engine(path, tp=2), PROMPTS))
+    full = read_model_config(path)
+    assert [b.num_heads * 2 for b in group.active.loaded.model.blk] == full.heads_per_layer
+
+
+def test_hybrid_models_are_refused(tmp_path):
+    with pytest.raises(LuceboxError, match="hybrid architecture"):
+        engine(write_tiny_qwen35_hf(tmp_path / "qwen35"), tp=2)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3moe"])
+def test_quantized_weights_shard_in_whole_blocks(group, tiny_gguf, arch):
+    path = tiny_gguf(arch, "Q8_0")
+    sampled = SamplingParams(max_tokens=6, temperature=1.0, seed=3, logprobs=3)
+    assert_same(run(engine(path, weights="quantized"), PROMPTS, sampled),
+                run(engine(path, tp=2, weights="quantized"), PROMPTS, sampled))
+    blk = group.active.loaded.model.blk[0]
+    assert blk.attn_output.qtype == "Q8_0" and blk.attn_output.cols == blk.num_heads * blk.head_dim
+
+
+def test_a_split_inside_a_quant_block_is_refused(group, tiny_gguf):
+    # K-quant blocks are 256 values; tiny llama at Q4_K has 4 heads of 64: 128 output-projection columns a rank
+    with pytest.raises(LuceboxError, match="inside a 256-value block"):
+        engine(tiny_gguf("llama", "Q4_K"), tp=2, weights="quantized")
+    assert_same(run(engine(tiny_gguf("llama")), PROMPTS[:1]), run(engine(tiny_gguf("llama"), tp=2), PROMPTS[:1]))
+
+
+def test_unsplittable_shapes_are_refused_before_starting(tiny_gguf):
+    with pytest.raises(LuceboxError, match="query heads"):
+        engine(tiny_gguf("llama"), tp=3)
+
+
+def test_a_step_longer_than_the_plan_buffer(group, tiny_gguf):
+    """A prompt of more tokens than PLAN_WORDS: its prefill step's plan takes a second broadcast."""
+    path = tiny_gguf("llama")
+    long = [(7 * i) % 300 + 3 for i in range(PLAN_WORDS + 100)]
+    config = {"kv_tokens": 2 * PLAN_WORDS, "max_step_tokens": 2 * PLAN_WORDS}
+    one = LLMEngine.from_path(path, EngineConfig(device="cpu", **config), quiet=True)
+    two = LLMEngine.from_path(path, EngineConfig(device="cpu", tensor_parallel=2, **config), quiet=True)
+    assert_same(run(one, [long, PROMPTS[1]]), run(two, [long, PROMPTS[1]]))
+
+
+def test_a_prefix_cache_hit_under_two_ranks(group, tiny_gguf):
+    path = tiny_gguf("qwen3")
+    first = PROMPTS[0] * 2
+    second = first + [17, 19, 23]
+    cold = run(engine(path), [second])
+    eng = engine(path, tp=2)
+    eng.enable_prefix_cache(CacheConfig(gpu=True, min_tokens=16))
+    run(eng, [first])
+    warm = run(eng, [second])
+    assert warm[0][2] >= 32, "the second request reused the first one's blocks"
+    assert_same(cold, warm)
+
+
+def test_dflash_chain_under_two_ranks_equals_plain(group, tiny_gguf, tmp_path):
+    target = tiny_gguf("qwen3")
+    cfg = read_model_config(target)
+    dcfg = drafter_config_for(cfg, layers=1, block_size=4, mask_token_id=cfg.vocab_size - 1)
+    save_drafter(DFlashDrafter.random(dcfg, seed=0, std=0.2), tmp_path / "d")
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    plain = engine(target).generate(PROMPTS, params)
+    spec = LLMEngine.from_path(target, EngineConfig(device="cpu", kv_tokens=512, tensor_parallel=2,
+                                                    draft=str(tmp_path / "d")), quiet=True)
+    assert spec.generate(PROMPTS, params) == plain
+    assert spec.spec.stats.steps > 0, "decoding went through draft verifications"
+    with pytest.raises(LuceboxError, match="DDTree"):
+        LLMEngine.from_path(target, EngineConfig(device="cpu", tensor_parallel=2, draft=str(tmp_path / "d"),
+                                                 ddtree=True))
+
+
+def test_ranks_started_by_torchrun_env_as_two_nodes(tiny_gguf):
+    """What torchrun gives each process (RANK, WORLD_SIZE, MASTER_*, LOCAL_RANK), here for two one-process
+    "nodes" on this host: rank 0 generates, rank 1 only runs steps, and the tokens are one rank's."""
+    path = tiny_gguf("qwen2")
+    port = _free_port()
+    cmd = [sys.executable, "-m", "lucebox", "generate", "-m", str(path), "--device", "cpu", "--raw", "-p",
+           "hello there", "-n", "6", "--show-ids", "-tp", "2", "--kv-tokens", "512"]
+    procs = [subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(ROOT), "RANK": str(r), "LOCAL_RANK": "0",
+                                   "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+             for r in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=90) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
+    one = engine(path)
+    want = one.generate([one.tokenizer.encode("hello there", add_special=True)], SamplingParams(max_tokens=6))[0]
+    assert json.loads(outs[0][1].strip().splitlines()[-1]) == want
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+KILL = """
+import os, signal, sys, threading, time
+from lucebox.engine.runtime.llm_engine import EngineConfig, LLMEngine
+from lucebox.engine.runtime.sampler import SamplingParams
+from lucebox.engine.spec.drafter import DFlashDrafter, drafter_config_for, save_drafter
+if __name__ == "__main__":
+    eng = LLMEngine.from_path(sys.argv[1], EngineConfig(device="cpu", kv_tokens=4096, tensor_parallel=2), quiet=True)
+    print(eng.tp.pids[0], flush=True)
+    if sys.argv[2] == "rank1":
+        threading.Timer(0.3, os.kill, (eng.tp.pids[0], signal.SIGKILL)).start()
+        while True:
+            eng.generate([[1, 2, 3]], SamplingParams(max_tokens=200, ignore_eos=True))
+    else:
+        os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def _start(path: Path, who: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(KILL), str(path), who], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_a_killed_rank_ends_rank_0_loudly(tiny_gguf):
+    proc = _start(tiny_gguf("llama"), "rank1")
+    try:
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == FATAL_EXIT, err[-2000:]
+    assert "lucebox: tensor parallelism:" in err
+
+
+def test_rank_1_ends_when_rank_0_is_killed(tiny_gguf):
+    proc = _start(tiny_gguf("llama"), "rank0")
+    try:
+        pid = int(proc.stdout.readline())  # type: ignore[union-attr]
+        proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    deadline = time.monotonic() + 10
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(pid), "rank 1 outlived rank 0"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
