@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from lucebox.engine.runtime.prefill_graphs import row_buckets
+from lucebox.engine.runtime.prefill_graphs import row_buckets, worth_keeping
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
 
@@ -20,7 +20,17 @@ def test_row_buckets_cover_every_step_size():
     b = row_buckets(2048)
     assert b[:4] == [16, 32, 64, 96] and b[-1] == 2048 and all(x % 16 == 0 for x in b)
     assert all(b2 <= 1.5 * b1 + 16 for b1, b2 in zip(b, b[1:]))  # padding wastes at most about a third
+    assert all(b2 - b1 <= 128 for b1, b2 in zip(b, b[1:]) if b1 >= 512)  # and at most 127 rows on big steps
     assert row_buckets(10) == [10]
+
+
+def test_only_buckets_that_beat_the_eager_step_are_kept():
+    """A bucket stays where its replay is faster than the eager forward of the smallest step it serves (a
+    small model everywhere; a large model only while the host's launches dominate)."""
+    buckets = [16, 32, 512, 640]
+    replay = {16: 0.001, 32: 0.001, 512: 0.020, 640: 0.026}
+    eager = {16: 0.015, 32: 0.015, 512: 0.025, 640: 0.022}  # 640 rows padded from 513: slower than eager
+    assert worth_keeping(buckets, replay, eager) == {16, 32, 512}
 
 
 @pytest.fixture(scope="module")
@@ -112,4 +122,4 @@ def test_a_bucket_captured_while_serving_after_a_larger_one_equals_eager(smollm2
         sampled, logits, _ = runner.run(chunks)
         assert sampled == chunks
         torch.testing.assert_close(logits, runner.forward(runner.prepare(chunks)).logits, atol=2e-4, rtol=1e-4)
-    assert sorted(runner.prefill_graphs.graphs) == [16, 336]
+    assert sorted(runner.prefill_graphs.graphs) == [16, 336] and not runner.prefill_graphs.dropped

@@ -5,7 +5,10 @@ SmolLM2, ~16 ms of Python and Triton launches against ~1 ms of kernels), so a st
 prompts next to running streams stalled them for tens of milliseconds. Here every prefill chunk of a step
 is one ragged attention group (triton_attention: each chunk's rows, offsets and query tiles listed by the
 host), so the whole forward has fixed shapes once its rows are padded to a bucket:
-- row buckets: 16, 32, 64, then steps of ~1.5x up to the step's token budget;
+- row buckets: 16, 32, 64, then steps of ~1.5x up to 512 rows and of 128 rows above, up to the step's token
+  budget; a bucket whose replay is slower than the eager forward of the smallest step it serves (a large
+  model's big step is the GPU's time, which padding only adds to) is dropped at start-up, and its steps run
+  eagerly;
 - up to `max_seqs` chunks (padding chunks own no rows and no tiles);
 - contexts up to `max_ctx` (MAX_CTX at most: a chunk over a longer context costs the GPU enough that the
   launches hide behind it, and runs eagerly).
@@ -16,6 +19,7 @@ while a decode graph replays on the main one). Padding rows write their K/V into
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -32,12 +36,21 @@ MAX_CTX = 4096
 
 
 def row_buckets(max_rows: int) -> list[int]:
-    """16, 32, 64, 96, 128, 192, 256, 384, ... (each ~1.5x the last, multiples of 16), up to `max_rows`."""
+    """16, 32, 64, 96, 144, 224, 336, 512 (each ~1.5x the last), then every 128 rows, up to `max_rows`: a step
+    pays for at most a third more rows while it is small (its time is the host's), at most 127 rows once it is
+    large (its time is the GPU's)."""
     out, r = [], 16
     while r < max_rows:
         out.append(r)
-        r = r * 2 if r < 64 else (r * 3 // 2 + 15) // 16 * 16
+        r = r * 2 if r < 64 else (r * 3 // 2 + 15) // 16 * 16 if r < 512 else r + 128
     return out + [max_rows]
+
+
+def worth_keeping(buckets: list[int], replay_s: dict[int, float], eager_s: dict[int, float]) -> set[int]:
+    """The buckets whose replay (`replay_s[b]`, padded to b rows) beats running eagerly the smallest step the
+    bucket serves (`eager_s[b]`: the previous bucket's rows + 1): a large model's big step is the GPU's time,
+    which padding only adds to, so there the eager path is kept and the default is never slower than it."""
+    return {b for b in buckets if replay_s[b] <= eager_s[b]}
 
 
 class _Graph:
@@ -57,6 +70,7 @@ class PrefillGraphs:
         self.device = runner.device
         self.page = self.kv.block_size
         self.buckets = row_buckets(max_rows)
+        self.dropped: set[int] = set()  # buckets whose steps run eagerly (capture_all timed them slower)
         self.seqs = max_seqs
         self.max_ctx = -(-min(max_ctx, MAX_CTX) // self.page) * self.page
         self.nb = self.max_ctx // self.page
@@ -87,18 +101,41 @@ class PrefillGraphs:
         if len(chunks) > self.seqs or any(c.verify or c.start + c.n > self.max_ctx for c in chunks):
             return None
         rows = sum(c.n for c in chunks)
-        return next((b for b in self.buckets if b >= rows), None)
+        bucket = next((b for b in self.buckets if b >= rows), None)
+        return None if bucket in self.dropped else bucket
 
     def capture_all(self, advance: Callable[[int], None] | None = None) -> int:
-        """Capture every bucket not captured yet (start-up, largest first); returns how many were captured."""
-        n = 0
+        """Capture every bucket not captured yet (start-up, largest first), then keep those whose replay is
+        faster than the eager forward of the smallest step they serve (`worth_keeping`; both timed here, on
+        the same inputs); returns how many were kept."""
         for rows in reversed(self.buckets):
             if rows not in self.graphs:
                 self.graphs[rows] = self._capture(rows)
-                n += 1
             if advance is not None:
                 advance(1)
-        return n
+        replay, eager = {}, {}
+        for i, rows in enumerate(self.buckets):
+            replay[rows] = self._time(self.graphs[rows].graph.replay)
+            smallest = self.buckets[i - 1] + 1 if i else 1
+            eager[rows] = self._time(lambda n=smallest: self._forward(n))
+        keep = worth_keeping(self.buckets, replay, eager)
+        self.dropped = set(self.buckets) - keep
+        for rows in self.dropped:
+            del self.graphs[rows]
+        log.info("prefill graphs: %d of %d row buckets replay faster than the eager step%s", len(keep),
+                 len(self.buckets), f" (eager: {', '.join(map(str, sorted(self.dropped)))} rows)" if self.dropped
+                 else "")
+        return len(keep)
+
+    def _time(self, fn: Callable[[], Any], reps: int = 3) -> float:
+        """Seconds one call of `fn` takes on the device (after a first call), the inputs as the capture left them."""
+        fn()
+        torch.cuda.synchronize(self.device)
+        t = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize(self.device)
+        return (time.perf_counter() - t) / reps
 
     def run(self, chunks: list[Chunk]) -> tuple[list[Chunk], torch.Tensor] | None:
         """(the chunks that sample, their logits [n, vocab]) replayed on the current stream, or None if the
