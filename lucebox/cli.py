@@ -163,6 +163,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also time decode with the file's quantized weights held dense (dequantized at load)")
     b.add_argument("--peer-bench", type=Path, default=None, metavar="PATH_TO_llama-bench",
                    help="also run this llama-bench on the same file (pp512, tg128) and report it alongside")
+    b.add_argument("--shape", default=None,
+                   help="bench a random-weight GGUF of this shape (qwen3-8b, qwen3-30b-a3b, qwen3.5-27b, "
+                        "qwen3.5-35b-a3b, ...; written to a temporary folder) with --model's tokenizer, instead "
+                        "of --model (with --no-hf: the weights are random)")
+    b.add_argument("--mix", default="Q4_K_M", help="--shape: the weights' quant mix (Q4_K_M, Q8_0, F16)")
     b.add_argument("--json", type=Path, default=Path("bench_decode.json"), help="where to write the results")
     b.set_defaults(func=_lazy("lucebox.bench.decode", "main"))
 

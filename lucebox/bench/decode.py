@@ -14,7 +14,10 @@ per second, against a device-to-device copy measured in the same run (bytes
 read plus written, as gpt-fast reports it). `--compare-dense` times the same
 file again held dense in the model dtype (the pre-quantized-kernel path), in
 the same process. `write_random_quant_gguf` writes random-weight GGUFs of real
-shapes in any quant mix (e.g. a Qwen3-8B-shaped Q4_K_M) for such runs.
+shapes in any quant mix (e.g. a Qwen3-8B-shaped Q4_K_M) for such runs;
+`--shape NAME [--mix Q4_K_M]` writes one to a temporary folder (qwen3, qwen3moe, and
+the Qwen3.5 hybrids of bench/random_models.py, e.g. qwen3.5-27b, qwen3.5-35b-a3b;
+the tokenizer comes from --model, a GGUF file) and benches it instead of --model.
 `--peer-bench PATH` runs that llama-bench on the same file in the same run
 (`-p 512 -n 128 -ngl 99 -fa 1 -o json`, after this engine has released the
 device) and puts its pp512 / tg128 beside the prefill 512 and batch-1 decode
@@ -37,6 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from lucebox.bench.random_models import add_tokenizer, mix_qtype, random_blocks
 from lucebox.bench.report import environment, print_table, write_json
 from lucebox.engine.runtime.llm_engine import LLMEngine
 from lucebox.engine.runtime.sampler import SamplingParams
@@ -197,7 +201,53 @@ def _decode_cases(engine: LLMEngine, label: str, batch_sizes: list[int], gen: in
         progress.advance()
 
 
+def random_shapes() -> dict[str, Any]:
+    """Every shape `--shape` takes: bench.pflash's (qwen3), bench.spark's (qwen3moe), bench.random_models'
+    (qwen35, qwen35moe)."""
+    from lucebox.bench.pflash import SHAPES as DENSE
+    from lucebox.bench.random_models import HYBRID_SHAPES
+    from lucebox.bench.spark import SHAPES as MOE
+
+    return {**DENSE, **MOE, **HYBRID_SHAPES}
+
+
+def write_random_model(path: Path, shape_name: str, tokenizer_gguf: Path, mix: str, context: int) -> Path:
+    """The random-weight GGUF of a `random_shapes` shape in quant mix `mix`, with the tokenizer of
+    `tokenizer_gguf` (padded to a Qwen3.5 shape's vocab)."""
+    from lucebox.bench.random_models import HybridShape, write_random_hybrid_gguf
+    from lucebox.bench.spark import MoeShape, write_random_moe_gguf
+    from lucebox.errors import LuceboxError
+
+    shapes = random_shapes()
+    if shape_name not in shapes:
+        raise LuceboxError(f"unknown --shape {shape_name!r} (choose from {', '.join(shapes)})")
+    if tokenizer_gguf.is_dir() or tokenizer_gguf.suffix != ".gguf":
+        raise LuceboxError(f"--shape takes the tokenizer of --model, a GGUF file; {tokenizer_gguf} is not one")
+    shape = shapes[shape_name]
+    if isinstance(shape, HybridShape):
+        return write_random_hybrid_gguf(path, shape, tokenizer_gguf, mix, name=f"random {shape_name}",
+                                        context=context)
+    if isinstance(shape, MoeShape):
+        return write_random_moe_gguf(path, shape, tokenizer_gguf, mix, context=context)
+    return write_random_quant_gguf(path, shape, tokenizer_gguf, mix, name=f"random {shape_name}", context=context)
+
+
 def main(args: argparse.Namespace) -> int:
+    """With `--shape`, first write that random-weight model (to a temporary folder) and bench it instead."""
+    if getattr(args, "shape", None) is None:
+        return _run(args)
+    import tempfile
+
+    from lucebox.fetch import resolve_model
+
+    context = max(4096, max(int(x) for x in args.prompt_lens.split(",") if x) + args.gen_len + 256)
+    with tempfile.TemporaryDirectory(prefix="lucebox-decode-") as tmp:
+        path = write_random_model(Path(tmp) / f"random-{args.shape}-{args.mix}.gguf", args.shape,
+                                  resolve_model(args.model), args.mix, context)
+        return _run(argparse.Namespace(**{**vars(args), "model": str(path)}))
+
+
+def _run(args: argparse.Namespace) -> int:
     from lucebox.cli import engine_from_args
 
     prompt_lens = [int(x) for x in args.prompt_lens.split(",") if x]
@@ -276,53 +326,6 @@ def label_dense(dtype: torch.dtype) -> str:
 
 # ----- random-weight GGUFs of real shapes, in any quant mix ------------------------------------------------------
 
-# Per type, from gguf/quants.py: (offset of the fp16 scale d, offset of the fp16 min/dmin field or None, the
-# min/d ratio that centres the values). Q4_1/Q5_1 add m (centred at m = ratio * d); K types subtract dmin * m.
-_SCALE_FIELDS = {"Q4_0": (0, None, 0.0), "Q4_1": (0, 2, -7.5), "Q5_0": (0, None, 0.0), "Q5_1": (0, 2, -15.5),
-                 "Q8_0": (0, None, 0.0), "Q2_K": (80, 82, 1.5), "Q3_K": (108, None, 0.0), "Q4_K": (0, 2, 7.5),
-                 "Q5_K": (0, 2, 15.5), "Q6_K": (208, None, 0.0)}
-
-
-def random_blocks(rows: int, cols: int, qtype: str, std: float, rng: np.random.Generator) -> np.ndarray:
-    """Valid random blocks of a [rows, cols] `qtype` matrix with values of about `std` and mean about 0:
-    random bits with the fp16 scale fields set (no float matrix is quantized, so an 8B-shaped file takes
-    seconds). Returns the uint8 byte matrix GGUFWriter takes."""
-    import gguf
-
-    kind = gguf.GGMLQuantizationType[qtype]
-    block, size = gguf.GGML_QUANT_SIZES[kind]
-    if cols % block:
-        raise ValueError(f"{qtype} needs rows of a multiple of {block} values, got {cols}")
-    data = rng.integers(0, 256, size=(rows * cols // block, size), dtype=np.uint8)
-    d_at, m_at, ratio = _SCALE_FIELDS[qtype]
-
-    def set_scale(d: float) -> None:
-        data[:, d_at:d_at + 2] = np.frombuffer(np.float16(d).tobytes(), np.uint8)
-        if m_at is not None:
-            data[:, m_at:m_at + 2] = np.frombuffer(np.float16(d * ratio).tobytes(), np.uint8)
-
-    set_scale(1.0)
-    unit = float(gguf.quants.dequantize(data[: min(len(data), 4096)], kind).std())
-    set_scale(std / unit)
-    return data.reshape(rows, -1)
-
-
-def _more_bits(i: int, n: int) -> bool:
-    """llama.cpp's use_more_bits: the layers whose attn_v / ffn_down a Q4_K_M file stores as Q6_K."""
-    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
-
-
-def mix_qtype(mix: str, name: str, layer: int, n_layers: int) -> str:
-    """The type of tensor `name` in a `mix` file: Q4_K_M as llama.cpp writes it, or one type for every matrix."""
-    if mix != "Q4_K_M":
-        return mix
-    if name == "output":
-        return "Q6_K"
-    if name in ("attn_v", "ffn_down") and _more_bits(layer, n_layers):
-        return "Q6_K"
-    return "Q4_K"
-
-
 def write_random_quant_gguf(path: Path, shape: Any, tokenizer_gguf: Path, mix: str = "Q4_K_M",
                             name: str = "random", seed: int = 0, context: int = 4096) -> Path:
     """A Qwen3-architecture GGUF of `shape` (bench.pflash.Shape) with random weights in quant mix `mix`
@@ -330,9 +333,6 @@ def write_random_quant_gguf(path: Path, shape: Any, tokenizer_gguf: Path, mix: s
     one random matrix per distinct (shape, type) is shared by the layers (same bytes streamed, same math)."""
     import gguf
 
-    reader = gguf.GGUFReader(tokenizer_gguf)
-    tok_fields = {k: f for k, f in reader.fields.items() if k.startswith("tokenizer.")}
-    n_vocab = len(tok_fields["tokenizer.ggml.tokens"].contents())
     w = gguf.GGUFWriter(path, "qwen3")
     w.add_type(gguf.GGUFType.MODEL)
     w.add_name(name)
@@ -346,9 +346,7 @@ def write_random_quant_gguf(path: Path, shape: Any, tokenizer_gguf: Path, mix: s
     w.add_value_length(shape.head_dim)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_rope_freq_base(1_000_000.0)
-    for key, f in tok_fields.items():
-        sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
-        w.add_key_value(key, f.contents(), f.types[0], sub_type=sub)
+    n_vocab = add_tokenizer(w, tokenizer_gguf)
     rng = np.random.default_rng(seed)
     cache: dict[tuple[int, int, str], tuple[np.ndarray, Any]] = {}
 

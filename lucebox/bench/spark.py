@@ -251,15 +251,12 @@ def _pct(v: float | None) -> str | None:
 
 
 def write_random_moe_gguf(path: Path, shape: MoeShape, tokenizer_gguf: Path, mix: str, context: int) -> Path:
-    """A qwen3moe GGUF of `shape` with random blocks in quant mix `mix` (bench.decode's random_blocks and
+    """A qwen3moe GGUF of `shape` with random blocks in quant mix `mix` (bench.random_models' random_blocks and
     mix_qtype) and the tokenizer of `tokenizer_gguf`; one random matrix per distinct (shape, type), shared."""
     import gguf
 
-    from lucebox.bench.decode import mix_qtype, random_blocks
+    from lucebox.bench.random_models import add_tokenizer, mix_qtype, random_blocks
 
-    reader = gguf.GGUFReader(tokenizer_gguf)
-    tok_fields = {k: f for k, f in reader.fields.items() if k.startswith("tokenizer.")}
-    n_vocab = len(tok_fields["tokenizer.ggml.tokens"].contents())
     w = gguf.GGUFWriter(path, "qwen3moe")
     w.add_type(gguf.GGUFType.MODEL)
     w.add_name(f"random {path.stem}")
@@ -276,9 +273,7 @@ def write_random_moe_gguf(path: Path, shape: MoeShape, tokenizer_gguf: Path, mix
     w.add_value_length(shape.head_dim)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_rope_freq_base(1_000_000.0)
-    for key, f in tok_fields.items():
-        sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
-        w.add_key_value(key, f.contents(), f.types[0], sub_type=sub)
+    n_vocab = add_tokenizer(w, tokenizer_gguf)
     rng = np.random.default_rng(0)
     cache: dict[tuple[Any, ...], tuple[np.ndarray, Any]] = {}
 
