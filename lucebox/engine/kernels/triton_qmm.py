@@ -384,6 +384,18 @@ def _x4(x_ptr, col, XBF16: tl.constexpr):
 
 
 @triton.jit
+def _store_rows(y_ptr, b_ptr, y, rn, n_mask, N, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr):
+    """A one-row gemv's outputs `y` for weight rows `rn`: fp32 partial sums of split program_id(1) (PARTIAL,
+    added up by _splitk_sum_kernel), else plus the bias, in the output's dtype."""
+    if PARTIAL:
+        tl.store(y_ptr + tl.program_id(1) * N + rn, y, mask=n_mask)
+    else:
+        if HAS_BIAS:
+            y += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
 def _gemv_words_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, n_split, row_words, QTYPE: tl.constexpr,
                        XBF16: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, BN: tl.constexpr,
                        NB: tl.constexpr):
@@ -434,12 +446,7 @@ def _gemv_words_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, n_split, row_words, QTYPE:
             acc += _q80_plane(q, d, blk, 2) * x2
             acc += _q80_plane(q, d, blk, 3) * x3
         y = tl.sum(tl.sum(acc, axis=2), axis=1)
-    if PARTIAL:
-        tl.store(y_ptr + tl.program_id(1) * N + rn, y, mask=n_mask)
-    else:
-        if HAS_BIAS:
-            y += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
-        tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=n_mask)
+    _store_rows(y_ptr, b_ptr, y, rn, n_mask, N, HAS_BIAS, PARTIAL)
 
 
 # ----- Q4_K and Q6_K at one row with int8 activations: 4 weights a dp4a ---------------------------------------
@@ -503,12 +510,7 @@ def _gemv_q4k_i8_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, n_split, row_words, HAS_B
         i1 = tl.sum(_dp4a((q >> 4) & 0x0F0F0F0F, tl.broadcast_to(x1, shape), ASM), axis=3, keep_dims=True)
         acc += ds0 * dx0 * i0.to(tl.float32) + ds1 * dx1 * i1.to(tl.float32) - dm0 * sx0 - dm1 * sx1
     y = tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=1)
-    if PARTIAL:
-        tl.store(y_ptr + tl.program_id(1) * N + rn, y, mask=n_mask)
-    else:
-        if HAS_BIAS:
-            y += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
-        tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=n_mask)
+    _store_rows(y_ptr, b_ptr, y, rn, n_mask, N, HAS_BIAS, PARTIAL)
 
 
 @triton.jit
@@ -553,12 +555,7 @@ def _gemv_q6k_i8_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, n_split, row_words, HAS_B
             sc = ((sw << (24 - 8 * (2 * tq + grp))) >> 24).to(tl.float32)
             acc += (d * dx) * sc * dot.to(tl.float32)
     y = tl.sum(tl.sum(tl.sum(tl.sum(acc, axis=4), axis=3), axis=2), axis=1)
-    if PARTIAL:
-        tl.store(y_ptr + tl.program_id(1) * N + rn, y, mask=n_mask)
-    else:
-        if HAS_BIAS:
-            y += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
-        tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=n_mask)
+    _store_rows(y_ptr, b_ptr, y, rn, n_mask, N, HAS_BIAS, PARTIAL)
 
 
 @triton.jit
