@@ -30,7 +30,7 @@ setup(
         "jinja2>=3.1",
         "h11>=0.14",
         "orjson",
-        "llguidance>=1.0",  # constrained decoding: forced tool calls, JSON mode, JSON schema
+        "llguidance>=1.9",  # constrained decoding: forced tool calls, JSON mode, JSON schema
         "uvloop; platform_system != 'Windows'",
     ],
     extras_require={

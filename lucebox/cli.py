@@ -159,6 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--batch-sizes", default="1,4,16")
     b.add_argument("--gen-len", type=int, default=64)
     b.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    b.add_argument("--max-step-tokens", type=int, default=None,
+                   help="prefill chunk size (default: the longest --prompt-lens, at least 2048, so each prompt is "
+                        "one chunk); lower it with --gpu-memory to fit a long prompt in chunks")
     b.add_argument("--compare-dense", action="store_true",
                    help="also time decode with the file's quantized weights held dense (dequantized at load)")
     b.add_argument("--peer-bench", type=Path, default=None, metavar="PATH_TO_llama-bench",

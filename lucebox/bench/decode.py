@@ -252,7 +252,8 @@ def _run(args: argparse.Namespace) -> int:
 
     prompt_lens = [int(x) for x in args.prompt_lens.split(",") if x]
     batch_sizes = [int(x) for x in args.batch_sizes.split(",") if x]
-    engine = engine_from_args(args, max_num_seqs=max(batch_sizes), max_step_tokens=max(prompt_lens + [2048]))
+    step_tokens = getattr(args, "max_step_tokens", None) or max(prompt_lens + [2048])
+    engine = engine_from_args(args, max_num_seqs=max(batch_sizes), max_step_tokens=step_tokens)
     device = engine.device
     compare = getattr(args, "compare_dense", False)
     hf = None if args.no_hf else load_hf(engine.loaded.path, engine)
@@ -279,6 +280,10 @@ def _run(args: argparse.Namespace) -> int:
     title = (f"bench decode: {engine.model_config.name} ({engine.loaded.quant} file, {str(engine.loaded.dtype)[6:]}) "
              f"on {device}{' [CUDA graphs]' if engine.runner.uses_cuda_graphs else ''}"
              f"{f'; copy bandwidth {copy_bw / 1e9:,.0f} GB/s' if copy_bw else ''}")
+    # the allocator's peak (weights, KV, activations, graph pools): what --gpu-memory caps, less the CUDA context
+    peak = torch.cuda.max_memory_reserved(device) / 2**30 if device.type == "cuda" else None
+    if peak is not None:
+        title += f"; peak device memory {peak:.2f} GiB"
     env, cuda_graphs, dtype = environment(device), engine.runner.uses_cuda_graphs, engine.loaded.dtype
     model_path = engine.loaded.path
     if compare:
@@ -314,7 +319,8 @@ def _run(args: argparse.Namespace) -> int:
                         "weight GB/s", "of copy BW"], rows)
     write_json(args.json, {"benchmark": "decode", "model": str(model_path),
                            "dtype": str(dtype), "cuda_graphs": cuda_graphs, "env": env,
-                           "copy_bandwidth_gb_s": copy_bw / 1e9 if copy_bw else None, "results": results,
+                           "copy_bandwidth_gb_s": copy_bw / 1e9 if copy_bw else None,
+                           "peak_device_memory_gib": peak, "results": results,
                            "peer_bench": peer})
     return 0
 

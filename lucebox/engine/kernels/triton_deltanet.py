@@ -37,9 +37,9 @@ try:
 except ImportError:  # CPU-only installs: the torch path
     triton = None
 
-# Off until a GPU run has checked these kernels (tests/test_triton_deltanet.py on CUDA: they were written and
-# tested under the interpreter only): LUCEBOX_DELTANET_KERNEL=1 turns them on for that run.
-ENABLED = os.environ.get("LUCEBOX_DELTANET_KERNEL", "0") == "1"
+# On by default since tests/test_triton_deltanet.py passed on the H200 (2026-12-02);
+# LUCEBOX_DELTANET_KERNEL=0 falls back to the plain-torch recurrence (a check, never faster).
+ENABLED = os.environ.get("LUCEBOX_DELTANET_KERNEL", "1") == "1"
 # Tests only: run the kernels on CPU tensors too (requires TRITON_INTERPRET=1, Triton's interpreter).
 ON_CPU = False
 
@@ -155,9 +155,13 @@ def chunk_scan(u: torch.Tensor, w: torch.Tensor, q_decayed: torch.Tensor, attn: 
     args = [t.contiguous() for t in (u, w, q_decayed, attn, k_decayed, block_decay)]
     state = state.contiguous().clone()
     out = torch.empty_like(args[0])
-    BV = min(32, max(16, triton.next_power_of_2(DV)))
-    _scan_kernel[(H, triton.cdiv(DV, BV))](*args, state, out, n, C=C, DK=DK, DV=DV,
-                                           BK=max(16, triton.next_power_of_2(DK)), BV=BV, num_warps=8)
+    BK = max(16, triton.next_power_of_2(DK))
+    # One pipeline stage: the loop carries the state, so prefetching the next block's four tiles only costs
+    # shared memory (Qwen3.5's Dk = Dv = 128 with C = 64 asked 256 KiB at the default stages, over the H200's
+    # 227 KiB); narrower value blocks where the key dimension is wide.
+    BV = min(32 if BK <= 64 else 16, max(16, triton.next_power_of_2(DV)))
+    _scan_kernel[(H, triton.cdiv(DV, BV))](*args, state, out, n, C=C, DK=DK, DV=DV, BK=BK, BV=BV, num_warps=8,
+                                           num_stages=1)
     return out, state
 
 

@@ -107,6 +107,10 @@ class AsyncEngine:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        # The last step's tokens, not yet handed to the event loop: the next step hands them over once its
+        # forward is launched (engine.on_launched), so the loop's work overlaps the GPU and not the step's host part.
+        self._pending: tuple[list[StepOutput], list[tuple[Generation, str]], float] | None = None
+        engine.on_launched = self._flush
         self.num_disconnects = 0
         self.steps = 0
         # Recent steps as (monotonic end time, ((seq id, start, rows), ...)): for stats and scheduling tests.
@@ -206,6 +210,7 @@ class AsyncEngine:
     def _thread_main(self) -> None:
         while not self._stopping:
             if not self._commands and not self.engine.has_work():
+                self._flush()
                 cache = self.engine.cache
                 copying = cache.poll() if cache is not None else 0  # idle: still publish finished snapshots
                 self._wake.wait(0.002 if copying else 0.5)
@@ -216,8 +221,21 @@ class AsyncEngine:
             except Exception:  # a bug in the engine: fail the running requests, keep serving
                 log.exception("engine step failed")
                 outputs, ended = [], self._abort_all("error")
-            if (outputs or ended) and self._loop is not None and not self._loop.is_closed():
-                self._loop.call_soon_threadsafe(self._deliver, outputs, ended, time.monotonic())
+            self._flush()  # a step that launched no forward (or raised) still hands over the step before it
+            if outputs or ended:
+                self._pending = (outputs, ended, time.monotonic())
+                if ended or any(o.finished for o in outputs) or not self.engine.has_work():
+                    self._flush()  # an ending is told at once (the client's last event, the next request)
+        self._flush()
+
+    def _flush(self) -> None:
+        """Hand the held step's tokens to the event loop (engine thread only)."""
+        pending, self._pending = self._pending, None
+        if pending is not None and self._loop is not None and not self._loop.is_closed():
+            try:
+                self._loop.call_soon_threadsafe(self._deliver, *pending)
+            except RuntimeError:  # the loop closed meanwhile: nobody is listening
+                pass
 
     def _step(self) -> tuple[list[StepOutput], list[tuple[Generation, str]]]:
         """Apply queued commands (and cancel disconnected clients), then run one step."""

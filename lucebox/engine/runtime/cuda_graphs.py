@@ -45,10 +45,10 @@ from lucebox.engine.runtime.sequence import Chunk
 log = logging.getLogger(__name__)
 
 MIN_CTX = 256
-# A hybrid model's decode graphs (its state slots among the packed inputs) are off until a GPU run has checked
-# them against eager decode (tests/test_triton_deltanet.py::test_graph_decode_equals_eager):
-# LUCEBOX_HYBRID_GRAPHS=1 turns them on for that run.
-HYBRID = os.environ.get("LUCEBOX_HYBRID_GRAPHS", "0") == "1"
+# A hybrid model's decode graphs (its state slots among the packed inputs): on since
+# tests/test_triton_deltanet.py::test_graph_decode_equals_eager passed on the H200 (2026-12-02);
+# LUCEBOX_HYBRID_GRAPHS=0 turns them off (eager hybrid decode, for a check).
+HYBRID = os.environ.get("LUCEBOX_HYBRID_GRAPHS", "1") == "1"
 
 
 def pick_buckets(batches: list[int], max_ctx: int, n: int, ctx: int) -> tuple[int, int] | None:

@@ -142,8 +142,7 @@ class LLMEngine:
             graphs_off = self.device.type == "cuda" and self.config.cuda_graphs and not cuda_graphs.HYBRID
             log.info("recurrent state: %d slots x %.1f MiB (fp32)%s", self.kv.states.num_slots,
                      RecurrentStates.bytes_per_slot(loaded.config) / 2**20,
-                     "; CUDA graphs are off for hybrid models until a GPU run has checked them "
-                     "(LUCEBOX_HYBRID_GRAPHS=1)" if graphs_off else "")
+                     "; CUDA graphs are off for hybrid models (LUCEBOX_HYBRID_GRAPHS=0)" if graphs_off else "")
         self.runner = ModelRunner(loaded.model, self.kv, loaded.dtype)
         if self.config.cuda_graphs and (not self.hybrid or cuda_graphs.HYBRID):  # a hybrid's: decode-only steps
             self.runner.enable_cuda_graphs(self.config.max_num_seqs, self.n_ctx, self.config.max_step_tokens)
@@ -155,6 +154,10 @@ class LLMEngine:
             eos_ids=self.tokenizer.eos_ids,
         )
         self.last_step: list[tuple[int, int, int]] = []  # (seq id, start, rows) of the last step, for stats
+        # Called once a step's forward is launched, before the host waits for its tokens: the async server hands
+        # the previous step's tokens to the event loop here, so its Python work overlaps this step's GPU time
+        # instead of taking the GIL from the engine thread while it prepares the step.
+        self.on_launched: Callable[[], None] | None = None
         self.pacer = PrefillPacer(self.config.max_step_tokens) if self.config.prefill_pacing else None
         self.spec: SpecDecoder | None = None
         self.draft_path: Path | None = None  # the drafter folder enable_speculation loaded
@@ -524,6 +527,8 @@ class LLMEngine:
         one that still raises goes into `failed` (its placeholder token is never used)."""
         try:
             sampled, logits, argmax = self.runner.run(chunks)
+            if self.on_launched is not None:
+                self.on_launched()
         except Exception as exc:  # noqa: BLE001 - isolated below, or reported for the one sequence
             if len(chunks) == 1:
                 failed[chunks[0].seq] = exc
