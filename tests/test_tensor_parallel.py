@@ -7,6 +7,7 @@ heads' partial products in another order). A killed rank makes its peer exit non
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -17,8 +18,10 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from lucebox.cache.manager import CacheConfig
+from lucebox.cache.snapshots import token_key
 from lucebox.engine.parallel.group import FATAL_EXIT, PLAN_WORDS
 from lucebox.engine.parallel.worker import TPGroup
 from lucebox.engine.runtime.llm_engine import EngineConfig, LLMEngine
@@ -40,8 +43,12 @@ def engine(path: Path, tp: int = 1, weights: str = "auto") -> LLMEngine:
 
 def run(eng: LLMEngine, prompts: list[list[int]], params: SamplingParams = GREEDY) -> list:
     """Each request's (output ids, per token (id, top-3 ids, logprob), prompt tokens the prefix cache gave);
-    the requests run batched."""
-    seqs = [eng.add(p, params) for p in prompts]
+    the requests run batched, with their cache hints (as the server gives them) when the cache is on."""
+    seqs = [eng.new_sequence(p, params) for p in prompts]
+    for s in seqs:
+        if eng.cache is not None:
+            s.cache_hint = eng.cache.prepare(s.prompt_ids)
+        eng.scheduler.add(s)
     while any(not s.is_finished for s in seqs):
         eng.step()
     return [(s.output_ids, [(lp.token_id, [t for t, _ in lp.top], lp.logprob) for lp in s.logprobs], s.num_cached)
@@ -141,9 +148,76 @@ def test_dflash_chain_under_two_ranks_equals_plain(group, tiny_gguf, tmp_path):
                                                     draft=str(tmp_path / "d")), quiet=True)
     assert spec.generate(PROMPTS, params) == plain
     assert spec.spec.stats.steps > 0, "decoding went through draft verifications"
-    with pytest.raises(LuceboxError, match="DDTree"):
-        LLMEngine.from_path(target, EngineConfig(device="cpu", tensor_parallel=2, draft=str(tmp_path / "d"),
-                                                 ddtree=True))
+
+
+SNAPSHOTS = CacheConfig(gpu=False, prefix_slots=0, exact_slots=2, min_tokens=16, disk_min_tokens=16)
+
+
+def test_a_ram_snapshot_hit_under_two_ranks(group, tiny_gguf):
+    """The device tier off: the hit is a RAM snapshot of both ranks' K/V heads, restored into blocks no
+    request used before (zeros on rank 1 unless its heads come back)."""
+    path = tiny_gguf("qwen2")  # 2 K/V heads: one a rank
+    prompt = PROMPTS[0] * 2
+    other = [(3 * i) % 300 + 2 for i in range(len(prompt))]
+    cold = run(engine(path), [prompt])
+    eng = engine(path, tp=2)
+    eng.enable_prefix_cache(SNAPSHOTS)
+    run(eng, [prompt])
+    run(eng, [other])
+    warm = run(eng, [prompt])
+    assert warm[0][2] == len(prompt) - 1 and eng.cache.counters["exact"].restored_tokens == len(prompt) - 1
+    assert eng.cache.exact.get(token_key(prompt)).kv.shape[3] == read_model_config(path).num_kv_heads
+    assert_same(cold, warm)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3"])  # 2 K/V heads (one a rank), 1 (replicated on both)
+def test_a_disk_snapshot_after_a_restart_and_at_another_rank_count(group, tiny_gguf, tmp_path, arch):
+    """A disk entry written under -tp 2 holds every K/V head in one rank's layout: a restarted -tp 2
+    engine (fresh KV on both ranks) restores it, and so does a -tp 1 one (the same layout id)."""
+    path = tiny_gguf(arch)
+    prompt = PROMPTS[0] * 2
+    cfg = dataclasses.replace(SNAPSHOTS, disk_dir=tmp_path)
+    cold = run(engine(path), [prompt])
+    for restart, tp in enumerate((2, 2, 1)):
+        eng = engine(path, tp=tp)
+        eng.enable_prefix_cache(cfg)
+        out = run(eng, [prompt])
+        eng.cache.poll()  # publishes the finished request's snapshot: its disk write is queued
+        eng.cache.disk.flush()
+        eng.cache.disk.close()
+        disk = eng.cache.stats()["disk"]
+        assert (disk["written"], disk["hits"], out[0][2]) == ((1, 0, 0) if not restart else (0, 1, len(prompt) - 1))
+        assert_same(cold, out)
+
+
+def test_ddtree_under_two_ranks_moves_every_ranks_kv(group, tiny_gguf, tmp_path, monkeypatch):
+    """DDTree with a drafter that ranks the target's next token second at depth 1 and first below: each
+    verification accepts a path off the top-1 chain, whose K/V rows rank 0 moves (and rank 1 with the
+    next plan); the tokens stay plain decoding's."""
+    target = tiny_gguf("llama")
+    cfg = read_model_config(target)
+    dcfg = drafter_config_for(cfg, layers=1, block_size=4, mask_token_id=cfg.vocab_size - 1)
+    save_drafter(DFlashDrafter.random(dcfg, seed=0, std=0.2), tmp_path / "d")
+    params = SamplingParams(max_tokens=14, ignore_eos=True)
+    prompts = [PROMPTS[0], PROMPTS[1] * 2]
+    plain = engine(target).generate(prompts, params)
+    eng = LLMEngine.from_path(target, EngineConfig(device="cpu", kv_tokens=512, tensor_parallel=2, ddtree=True,
+                                                   ddtree_budget=6, draft=str(tmp_path / "d")), quiet=True)
+    spec = eng.spec
+    answers = {tuple(p): p + out + [0] * spec.block for p, out in zip(prompts, plain)}
+
+    def oracle(chunks: list) -> torch.Tensor:
+        lp = torch.full((len(chunks), spec.block - 1, cfg.vocab_size), -20.0)
+        for g, c in enumerate(chunks):
+            want = answers[tuple(c.seq.prompt_ids)][c.start + 1:c.start + spec.block]
+            lp[g, 0, (want[0] + 1) % cfg.vocab_size] = -0.1
+            lp[g, 0, want[0]] = -0.5
+            lp[g, torch.arange(1, spec.block - 1), want[1:]] = -0.1
+        return lp
+
+    monkeypatch.setattr(spec, "draft_logprobs", oracle)
+    assert eng.generate(prompts, params) == plain
+    assert spec.stats.committed > 2 * spec.stats.steps, "the verifications accepted paths off the top-1 chain"
 
 
 def test_ranks_started_by_torchrun_env_as_two_nodes(tiny_gguf):

@@ -56,6 +56,7 @@ from lucebox.cache.markers import ChatMarkers
 from lucebox.cache.prefix_index import PrefixIndex
 from lucebox.cache.snapshots import (
     KVCopy,
+    LocalKV,
     Snapshot,
     SnapshotPool,
     aligned,
@@ -154,9 +155,10 @@ class Copier:
 
 class PrefixCache:
     def __init__(self, cfg: CacheConfig, kv: KVCache, markers: ChatMarkers | None, layout: str | None,
-                 draft_kv: KVCache | None = None) -> None:
+                 draft_kv: KVCache | None = None, target: LocalKV | None = None) -> None:
         self.cfg = cfg
         self.kv = kv
+        self.target = target or LocalKV(kv)  # how the target's KV reaches a snapshot (all ranks' under -tp)
         self.draft_kv = draft_kv  # a DFlash drafter's context KV, in the same blocks as `kv`
         self.markers = markers
         self.index = PrefixIndex(kv.pool, kv.block_size) if cfg.gpu else None
@@ -262,7 +264,7 @@ class PrefixCache:
                 if snap is not None and self.states is not None:  # KV only below the snapshot's state
                     cached = self._trim(seq, min(cached, end // self.kv.block_size * self.kv.block_size))
                 if snap is not None and (end > cached or self.states is not None) and self._grow(seq, end):
-                    scatter_kv(self.kv, seq.block_table, snap.kv, start=cached, end=end)
+                    self.target.scatter(seq.block_table, snap.kv, cached, end)
                     if self.draft_kv is not None:
                         scatter_kv(self.draft_kv, seq.block_table, snap.draft_kv, start=cached, end=end)
                     if self.states is not None:
@@ -417,7 +419,7 @@ class PrefixCache:
         here or once copied): size check, room, host buffer, then the async copy."""
         pool = self.prefix if tier == "prefix" else self.exact
         assert pool is not None
-        kv_bytes = snapshot_bytes(self.kv, n)
+        kv_bytes = self.target.nbytes(n)
         draft_bytes = snapshot_bytes(self.draft_kv, n) if self.draft_kv is not None else 0
         state_bytes = self.states.nbytes if capture is not None and self.states is not None else 0
         size = kv_bytes + draft_bytes + state_bytes + 4 * len(tokens)
@@ -441,7 +443,7 @@ class PrefixCache:
         p = PendingCopy(tier, key, list(tokens), n, blocks, (kv_bytes, draft_bytes), capture=capture)
         self.pending.append(p)
         dev = self.kv.data.device
-        if dev.type != "cuda":
+        if not self.target.asynchronous:
             self._copy(p)
             return
         p.after = torch.cuda.Event()
@@ -464,8 +466,8 @@ class PrefixCache:
             buffer = self.host.acquire(at[1] + states.nbytes if states is not None else aligned(kv_bytes) + draft_bytes)
             if buffer is None:
                 return
-            p.kv = buffer.view(snapshot_shape(self.kv, p.n), self.kv.data.dtype)
-            p.copies.append(gather_kv_into(self.kv, p.blocks, p.n, p.kv, after=p.after))
+            p.kv = buffer.view(self.target.shape(p.n), self.target.dtype)
+            p.copies.append(self.target.gather_into(p.blocks, p.n, p.kv, after=p.after))
             if self.draft_kv is not None:
                 p.draft_kv = buffer.view(snapshot_shape(self.draft_kv, p.n), self.draft_kv.data.dtype, at[0])
                 p.copies.append(gather_kv_into(self.draft_kv, p.blocks, p.n, p.draft_kv, after=p.after))

@@ -211,6 +211,40 @@ def scatter_kv(kv: KVCache, block_table: Sequence[int], snapshot_kv: torch.Tenso
     d.index_copy_(2, _slot_index(kv, block_table, start, end), src)
 
 
+class LocalKV:
+    """The target KV a snapshot is copied from and restored into: this process's KV cache, which holds every
+    K/V head. Under tensor parallelism each rank holds some heads: engine/parallel's ShardedKV (same calls)
+    gathers every rank's into one snapshot of all heads and hands each rank its own back."""
+
+    asynchronous: bool  # copies may start on the copier thread (CUDA); else they run where they are called
+
+    def __init__(self, kv: KVCache) -> None:
+        self.kv = kv
+        self.asynchronous = kv.data.device.type == "cuda"
+
+    @property
+    def kv_heads(self) -> int:
+        """K/V heads a snapshot holds (the disk layout names them)."""
+        return self.kv.data.shape[3]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.kv.data.dtype
+
+    def shape(self, n_tokens: int) -> tuple[int, ...]:
+        return snapshot_shape(self.kv, n_tokens)
+
+    def nbytes(self, n_tokens: int) -> int:
+        return snapshot_bytes(self.kv, n_tokens)
+
+    def gather_into(self, block_table: Sequence[int], n_tokens: int, out: torch.Tensor,
+                    after: torch.cuda.Event | None = None) -> KVCopy:
+        return gather_kv_into(self.kv, block_table, n_tokens, out, after)
+
+    def scatter(self, block_table: Sequence[int], snapshot_kv: torch.Tensor, start: int, end: int) -> None:
+        scatter_kv(self.kv, block_table, snapshot_kv, start, end)
+
+
 # ---------------------------------------------------------------------------
 # The RAM pools
 

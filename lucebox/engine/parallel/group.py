@@ -2,8 +2,9 @@
 model and the step plans go through.
 
 Two groups over the same ranks: the default one carries the model's collectives (NCCL on CUDA, gloo on the
-CPU) under a bounded timeout, and a gloo group carries the step plans and load messages (host data) with no
-practical timeout, since a follower waits on it for as long as the server is idle. A collective that fails or
+CPU) under a bounded timeout, and a gloo group carries the step plans, load messages and prefix-cache
+snapshots (host data) with no practical timeout, since a follower waits on it for as long as the server is
+idle. A collective that fails or
 times out is fatal (`fatal`): after a rank is lost the others can only be out of step, so the process says why
 and exits instead of answering requests wrongly or hanging.
 """
@@ -100,6 +101,25 @@ class Comm:
         out: list[Any] = [None] * self.world
         try:
             dist.all_gather_object(out, obj, group=self.plans)
+        except Exception as exc:  # noqa: BLE001 - as in all_reduce
+            fatal(f"rank {self.rank}: lost the other ranks ({type(exc).__name__}: {exc})")
+        return out
+
+    def gather_to_root(self, x: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank's host tensor x (same shape on each), in rank order, on rank 0 (None on the others):
+        a snapshot's K/V heads, over the plan group."""
+        out = [torch.empty_like(x) for _ in range(self.world)] if self.rank == 0 else None
+        try:
+            dist.gather(x.contiguous(), out, dst=0, group=self.plans)
+        except Exception as exc:  # noqa: BLE001 - as in all_reduce
+            fatal(f"rank {self.rank}: lost the other ranks ({type(exc).__name__}: {exc})")
+        return out
+
+    def scatter_from_root(self, out: torch.Tensor, parts: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """Rank r's part of rank 0's `parts` (host tensors of out's shape), into `out`: a snapshot's K/V heads."""
+        try:
+            dist.scatter(out, [p.contiguous() for p in parts] if parts is not None else None, src=0,
+                         group=self.plans)
         except Exception as exc:  # noqa: BLE001 - as in all_reduce
             fatal(f"rank {self.rank}: lost the other ranks ({type(exc).__name__}: {exc})")
         return out

@@ -117,11 +117,18 @@ def shard_model(model: DecoderModel, comm: Comm) -> ModelConfig:
     return local
 
 
+def kv_heads_of(rank: int, world: int, kv_heads: int) -> range:
+    """The K/V heads rank `rank` of `world` holds: its share, or with fewer heads than ranks the one its query
+    heads read (replicated on world / kv_heads ranks)."""
+    lo = rank * kv_heads // world
+    return range(lo, (rank + 1) * kv_heads // world) if kv_heads >= world else range(lo, lo + 1)
+
+
 def _shard_block(block: DecoderBlock, cfg: ModelConfig, comm: Comm) -> None:
     r, n, d = comm.rank, comm.world, block.head_dim
     hq, hkv = block.num_heads, block.num_kv_heads
     q_heads = range(r * hq // n, (r + 1) * hq // n)
-    kv_heads = range(r * hkv // n, (r + 1) * hkv // n) if hkv >= n else range(r * hkv // n, r * hkv // n + 1)
+    kv_heads = kv_heads_of(r, n, hkv)
     q_rows = _head_rows(q_heads, d)
     kv_rows = _head_rows(kv_heads, d)
     parts = [q_rows, kv_rows, kv_rows]

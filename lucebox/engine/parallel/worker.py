@@ -15,10 +15,11 @@ Failure: a rank that exits is seen by rank 0's watchdog (spawned ranks) or by th
 spawned rank watches its parent; either way the process that notices exits non-zero with the reason
 (group.fatal), never waits forever.
 
-Speculative decoding: a DFlash chain, its drafter on rank 0 alone (WholeHeads says why). Not under tensor
-parallelism yet (refused or switched off with a log line): DDTree (accepting a tree path moves K/V rows,
-on rank 0 only), the prefix cache's RAM and disk tiers (their snapshots copy rank 0's KV only; the device tier works),
-CUDA graphs (decode runs eagerly), PFlash, Spark offload and hybrid (DeltaNet) models.
+Speculative decoding: a DFlash chain or a DDTree, its drafter on rank 0 alone (WholeHeads says why); a draft
+tree and its parents (the attention mask) travel in the verification's plan, and the K/V moves of the accepted
+paths in the next plan (kv.py). The prefix cache: all three tiers; a RAM or disk snapshot holds every rank's
+K/V heads (kv.py). Not under tensor parallelism yet (refused or switched off with a log line): CUDA graphs
+(decode runs eagerly), PFlash, Spark offload and hybrid (DeltaNet) models.
 """
 
 from __future__ import annotations
@@ -38,9 +39,11 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
+from lucebox.engine.models.config import ModelConfig
 from lucebox.engine.models.decoder import DecoderModel
 from lucebox.engine.parallel.group import Comm, close_group, fatal, init_group
-from lucebox.engine.parallel.plan import decode_plan, encode_plan
+from lucebox.engine.parallel.kv import LeaderSpec, ShardedKV, load_rows, move_rows, save_rows, write_rows
+from lucebox.engine.parallel.plan import LOAD, SAVE, PlanSender, decode_plan, encode_step
 from lucebox.engine.parallel.shard import check_shardable, shard_model
 from lucebox.engine.runtime.llm_engine import WEIGHTS, EngineConfig, LLMEngine
 from lucebox.engine.runtime.model_runner import ModelRunner, StepInputs, StepResult
@@ -55,13 +58,10 @@ WATCH_S = 0.2  # how often rank 0 checks its spawned ranks (and they their paren
 class LeaderRunner(ModelRunner):
     """Rank 0's runner: every forward first sends its plan, so the other ranks run the same one."""
 
-    comm: Comm
-    closed = False
+    sender: PlanSender
 
     def forward(self, inputs: StepInputs, capture: tuple[int, ...] = ()) -> StepResult:
-        if self.closed:
-            raise LuceboxError("this tensor-parallel engine was closed (another one was loaded)")
-        self.comm.send_plan(encode_plan(inputs.order, tuple(capture), self.kv.block_size))
+        self.sender.send(encode_step(inputs.order, tuple(capture), self.kv.block_size))
         try:
             return super().forward(inputs, capture)
         except Exception as exc:  # noqa: BLE001 - the other ranks ran this step: a retry would be out of step
@@ -71,14 +71,26 @@ class LeaderRunner(ModelRunner):
 class TPEngine(LLMEngine):
     """LLMEngine on rank 0 of a tensor-parallel group: the same scheduler and sampling over the sharded model."""
 
-    def __init__(self, loaded: LoadedModel, config: EngineConfig, group: TPGroup,
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, group: TPGroup, full: ModelConfig,
                  heads: WholeHeads | None = None) -> None:
-        self.heads = heads  # before LLMEngine's __init__: it enables speculation with them
-        super().__init__(loaded, config)
+        # before LLMEngine's __init__: it enables speculation with the heads, whose decoder's moves the plans carry
+        self.heads = heads
         self.tp = group
+        self.full_config = full  # the unsharded model's (a snapshot holds all its K/V heads)
+        self.sender = PlanSender(group.comm, self._moves)
+        super().__init__(loaded, config)
         runner = LeaderRunner(loaded.model, self.kv, loaded.dtype)
-        runner.comm = group.comm
+        runner.sender = self.sender
         self.runner = runner
+
+    def _moves(self) -> list[tuple[int, int]]:
+        return self.spec.take_moves() if isinstance(self.spec, LeaderSpec) else []
+
+    def spec_decoder_class(self) -> type[LeaderSpec]:
+        return LeaderSpec
+
+    def snapshot_kv(self) -> ShardedKV:
+        return ShardedKV(self.kv, self.sender, self.full_config.num_kv_heads)
 
     @property
     def drafter_target(self) -> Any:
@@ -86,13 +98,6 @@ class TPEngine(LLMEngine):
             raise LuceboxError("speculation under --tensor-parallel needs --draft at load (the whole embedding and "
                                "head are kept for it then)")
         return self.heads
-
-    def enable_prefix_cache(self, cfg: Any, template: Any = None) -> None:
-        """The device tier only: RAM and disk snapshots would hold rank 0's K/V heads alone."""
-        if cfg.prefix_slots or cfg.exact_slots or cfg.disk_dir is not None:
-            log.info("prefix cache under --tensor-parallel: device blocks only (RAM and disk snapshots off)")
-            cfg = dataclasses.replace(cfg, prefix_slots=0, exact_slots=0, disk_dir=None)
-        super().enable_prefix_cache(cfg, template)
 
     def score(self, token_ids: list[int]) -> torch.Tensor:
         raise LuceboxError("score() runs the model outside a step; not available with --tensor-parallel")
@@ -181,13 +186,13 @@ class TPGroup:
 
     def load(self, path: Path, config: EngineConfig, quiet: bool = False) -> TPEngine:
         """Load `path` on every rank (each its shard) and return rank 0's engine; a previous one is released."""
-        check_config(path, config)
+        full = check_config(path, config)
         config = dataclasses.replace(config, cuda_graphs=False, spec_static=False)
         self.release()
         self.comm.broadcast_object(("load", str(path), dataclasses.replace(config, draft=None)))
         try:
             loaded, heads = load_shard(path, config, self.comm, quiet, keep_heads=bool(config.draft))
-            engine: TPEngine | None = TPEngine(loaded, config, self, heads)
+            engine: TPEngine | None = TPEngine(loaded, config, self, full, heads)
             error = None
         except LuceboxError as exc:  # the same file refused on every rank, most likely: say which
             engine, error = None, str(exc)
@@ -204,7 +209,7 @@ class TPGroup:
         if engine is not None and engine is not self.active:
             return
         if self.active is not None:
-            self.active.runner.closed = True  # type: ignore[attr-defined]
+            self.active.sender.closed = True
             self.active = None
         if self.engaged:
             self.comm.send_plan(None)
@@ -238,13 +243,13 @@ def tensor_parallel_engine(path: Path, config: EngineConfig, quiet: bool = False
     return TPGroup.get(config.tensor_parallel, device.type).load(path, config, quiet)
 
 
-def check_config(path: Path, config: EngineConfig) -> None:
-    """Refuse, with the reason, what tensor parallelism cannot run (yet)."""
-    check_shardable(read_model_config(path), config.tensor_parallel)
-    if config.draft and config.ddtree:  # accepting a tree path moves K/V rows on rank 0 alone
-        raise LuceboxError("DDTree (--ddtree) is not supported with --tensor-parallel yet (a DFlash chain is)")
+def check_config(path: Path, config: EngineConfig) -> ModelConfig:
+    """Refuse, with the reason, what tensor parallelism cannot run (yet); returns the model's config."""
+    cfg = read_model_config(path)
+    check_shardable(cfg, config.tensor_parallel)
     if config.resolve_device().type == "cuda" and not config.kv_tokens:
         raise LuceboxError("--tensor-parallel on CUDA needs --kv-tokens (the memory plan is one device's)")
+    return cfg
 
 
 def follower_main(rank: int, world: int, device_type: str, init_method: str = "env://") -> int:
@@ -280,10 +285,18 @@ def follower_main(rank: int, world: int, device_type: str, init_method: str = "e
 
 
 def run_plans(runner: ModelRunner, comm: Comm) -> None:
-    """Run rank 0's steps on this rank's shard until it closes the engine."""
-    while (plan := comm.recv_plan()) is not None:
-        chunks, capture = decode_plan(plan)
-        runner.forward(runner.prepare(chunks), capture)
+    """Run rank 0's steps and snapshot copies on this rank's shard until it closes the engine."""
+    kv = runner.kv
+    while (words := comm.recv_plan()) is not None:
+        plan = decode_plan(words)
+        move_rows(kv, *plan.moves)
+        if plan.op == SAVE:
+            comm.gather_to_root(save_rows(kv, plan.blocks, plan.end))
+        elif plan.op == LOAD:
+            write_rows(kv, plan.blocks, plan.start, plan.end,
+                       comm.scatter_from_root(load_rows(kv, plan.start, plan.end)))
+        else:
+            runner.forward(runner.prepare(plan.chunks), plan.capture)
 
 
 def _watch_parent(parent: int, rank: int) -> None:

@@ -40,6 +40,7 @@ from lucebox.errors import LuceboxError
 
 if TYPE_CHECKING:
     from lucebox.cache.manager import PrefixCache
+    from lucebox.cache.snapshots import LocalKV
     from lucebox.engine.runtime.memory_plan import MemoryPlan
     from lucebox.engine.spec.dflash import SpecDecoder
 
@@ -200,16 +201,14 @@ class LLMEngine:
                            drafter: Any = None) -> None:
         """Load a DFlash drafter for this target (unless `drafter` is it, loaded already); decode steps then
         draft and verify. EngineConfig.draft does this at construction, inside the memory plan."""
-        from lucebox.engine.spec.dflash import SpecDecoder
-
         drafter = drafter if drafter is not None else self._load_drafter(draft)
         if self.verify_rows == 0:
             log.warning("speculative decoding is off: the recurrent states of even one verification of 2 rows "
                         "(%.1f MiB each) do not fit the memory plan", RecurrentStates.bytes_per_slot(
                             self.model_config) / 2**20)
             return
-        spec = SpecDecoder(drafter, self.drafter_target, self.kv, ddtree=ddtree, budget=budget, dtype=self.loaded.dtype,
-                           max_rows=self.verify_rows)
+        spec = self.spec_decoder_class()(drafter, self.drafter_target, self.kv, ddtree=ddtree, budget=budget,
+                                         dtype=self.loaded.dtype, max_rows=self.verify_rows)
         if self.hybrid:
             slot = RecurrentStates.bytes_per_slot(self.model_config)
             log.info("speculation on a hybrid: a verification keeps %d rows x %.1f MiB of recurrent state per "
@@ -224,6 +223,12 @@ class LLMEngine:
     def drafter_target(self) -> Any:
         """Where the drafter reads the target's embedding and LM head (engine/parallel: whole copies on rank 0)."""
         return self.loaded.model
+
+    def spec_decoder_class(self) -> type[SpecDecoder]:
+        """The speculative decoder's class (engine/parallel's also tells the other ranks DDTree's K/V moves)."""
+        from lucebox.engine.spec.dflash import SpecDecoder
+
+        return SpecDecoder
 
     def _load_drafter(self, draft: Path) -> Any:
         from lucebox.engine.spec.drafter import load_drafter
@@ -253,11 +258,19 @@ class LLMEngine:
                                 dc.num_layers, dc.num_kv_heads, dc.head_dim]
         if self.kv.states is not None:  # a hybrid's snapshots hold its recurrent state (cache/state_snapshots.py)
             extra["state"] = [list(shape) for shape in self.kv.states.shapes()]
+        target = self.snapshot_kv()
         layout = layout_id(model_path=self.loaded.path, kv_dtype=self.kv.kv_dtype, block_size=self.kv.block_size,
                            n_ctx=self.n_ctx, template_sha1=template.sha1 if template is not None else "",
-                           num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, extra=extra)
-        self.cache = PrefixCache(cfg, self.kv, markers, layout, draft_kv=self.spec.kv if self.spec else None)
+                           num_layers=mc.num_layers, num_kv_heads=target.kv_heads, head_dim=mc.head_dim, extra=extra)
+        self.cache = PrefixCache(cfg, self.kv, markers, layout, draft_kv=self.spec.kv if self.spec else None,
+                                 target=target)
         self.scheduler.cache = self.cache
+
+    def snapshot_kv(self) -> LocalKV:
+        """What the prefix cache's RAM and disk snapshots copy: this engine's KV (engine/parallel: every rank's)."""
+        from lucebox.cache.snapshots import LocalKV
+
+        return LocalKV(self.kv)
 
     @property
     def blocks_in_use(self) -> int:
