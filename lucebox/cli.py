@@ -56,6 +56,8 @@ def add_decoding_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-draft", action="store_true", help="plain decoding even when a drafter is available")
     p.add_argument("--ddtree", action="store_true", help="verify a draft tree (DDTree) instead of a chain")
     p.add_argument("--ddtree-budget", type=int, default=None, help="draft tree nodes per verification (default 22)")
+    p.add_argument("--spec-adaptive", action=argparse.BooleanOptionalAction, default=None,
+                   help="per request, decode plainly while drafts do not pay, probing again later (default on)")
     add_spark_args(p)
 
 

@@ -61,6 +61,7 @@ class ServerConfig:
     no_draft: bool = False
     ddtree: bool = False
     ddtree_budget: int = 22
+    spec_adaptive: bool = True  # per request, plain decoding while drafts do not pay (engine/spec/adaptive.py)
     spark: Path | None = None  # Spark placement profile (lucebox/engine/spark); None: experts all on the device
     expert_gpu_budget: str | None = None  # GB or N% of the expert bytes on the device (alone: uniform placement)
     spark_ring: int | None = None  # ring slots per MoE layer; None: Spark's default
@@ -125,6 +126,7 @@ class ServerConfig:
             no_draft=bool(getattr(args, "no_draft", False)),
             ddtree=bool(getattr(args, "ddtree", False)),
             ddtree_budget=pick("ddtree_budget", "LUCEBOX_DDTREE_BUDGET", int, 22),
+            spec_adaptive=getattr(args, "spec_adaptive", None) is not False,
             spark=pick("spark", "LUCEBOX_SPARK", Path, None),
             expert_gpu_budget=pick("expert_gpu_budget", "LUCEBOX_EXPERT_GPU_BUDGET", str, None),
             spark_ring=pick("spark_ring", "LUCEBOX_SPARK_RING", int, None),
@@ -261,7 +263,8 @@ def load_into(ctx: ServerContext, cfg: ServerConfig) -> Any:
                               n_ctx=cfg.n_ctx,
                               kv_tokens=cfg.kv_tokens, gpu_memory=cfg.gpu_memory, max_num_seqs=cfg.max_num_seqs,
                               max_step_tokens=cfg.max_step_tokens, prefill_pacing=cfg.prefill_pacing, draft=draft,
-                              ddtree=cfg.ddtree, ddtree_budget=cfg.ddtree_budget, tensor_parallel=cfg.tensor_parallel)
+                              ddtree=cfg.ddtree, ddtree_budget=cfg.ddtree_budget, spec_adaptive=cfg.spec_adaptive,
+                              tensor_parallel=cfg.tensor_parallel)
     if cfg.spark_config() is not None:
         from lucebox.engine.spark.engine import spark_engine
 
@@ -389,7 +392,8 @@ def speculative_props(engine: Any, draft: str | None, cfg: ServerConfig) -> dict
     return {"enabled": True, "drafter": str(draft), "block_size": spec.block, "ddtree": spec.ddtree,
             "ddtree_budget": spec.budget if spec.ddtree else None, "steps": s.steps,
             "committed_tokens": s.committed, "drafted_tokens": s.drafted,
-            "acceptance": round(s.acceptance_length, 3) if s.steps else None}
+            "acceptance": round(s.acceptance_length, 3) if s.steps else None,
+            **(engine.adaptive.props() if engine.adaptive is not None else {})}
 
 
 def model_props(engine: Any, card: ModelCard | None, cfg: ServerConfig) -> dict[str, Any]:
@@ -535,6 +539,14 @@ def register_engine_metrics(ctx: ServerContext) -> None:
         m.counter("lucebox_spec_drafted_tokens_total", "Draft tokens proposed", lambda: spec.stats.drafted)
         m.gauge("lucebox_spec_acceptance_length", "Mean tokens per verification pass (tau)",
                 lambda: spec.stats.acceptance_length)
+        ad = eng.engine.adaptive
+        m.gauge("lucebox_spec_plain_sequences", "Running requests decoding plainly (their drafts did not pay)",
+                lambda: ad.stats.plain_now)
+        m.counter("lucebox_spec_plain_tokens_total", "Tokens decoded plainly by requests that stopped drafting",
+                  lambda: ad.stats.plain_tokens)
+        m.counter("lucebox_spec_stops_total", "Times a request stopped drafting (tau below the cost ratio)",
+                  lambda: ad.stats.stops)
+        m.counter("lucebox_spec_resumes_total", "Probes after which a request drafts again", lambda: ad.stats.resumes)
 
 
 def _env_flag(name: str) -> bool:

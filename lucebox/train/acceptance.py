@@ -124,7 +124,8 @@ def measure_acceptance(loaded: LoadedModel, draft: Path, prompts: list[list[int]
     n = min(batch, len(prompts))
     rows = budget + 1 if ddtree else 64
     engine = LLMEngine(loaded, EngineConfig(draft=str(draft), ddtree=ddtree, ddtree_budget=budget, cuda_graphs=False,
-                                            max_num_seqs=n, kv_tokens=n * (longest + max_new_tokens + 2 * rows)))
+                                            spec_adaptive=False, max_num_seqs=n,
+                                            kv_tokens=n * (longest + max_new_tokens + 2 * rows)))
     t = time.perf_counter()
     outputs = engine.generate(prompts, SamplingParams(max_tokens=max_new_tokens, ignore_eos=ignore_eos))
     seconds = time.perf_counter() - t

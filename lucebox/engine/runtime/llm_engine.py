@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from lucebox.cache.manager import PrefixCache
     from lucebox.cache.snapshots import LocalKV
     from lucebox.engine.runtime.memory_plan import MemoryPlan
+    from lucebox.engine.spec.adaptive import AdaptiveSpec
     from lucebox.engine.spec.dflash import SpecDecoder
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,7 @@ class EngineConfig:
     ddtree: bool = False  # verify a draft tree instead of a chain
     ddtree_budget: int = 22  # tree nodes per verification
     spec_static: bool | None = None  # fixed-shape (CUDA-graph) speculative steps; None = on CUDA only
+    spec_adaptive: bool = True  # per sequence, decode plainly while its drafts do not pay (spec/adaptive.py)
     weights: str = "auto"  # GGUF quant blocks: auto (quantized on CUDA only if dense won't fit) | quantized | dense
     kv_dtype: str = "auto"  # KV cache storage: auto (the model's dtype) | bf16 (a bf16 model) | q8_0 (int8 + scales)
     tensor_parallel: int = 1  # ranks the model is split over (engine/parallel); 1: this process alone
@@ -161,6 +163,7 @@ class LLMEngine:
         self.on_launched: Callable[[], None] | None = None
         self.pacer = PrefillPacer(self.config.max_step_tokens) if self.config.prefill_pacing else None
         self.spec: SpecDecoder | None = None
+        self.adaptive: AdaptiveSpec | None = None  # which sequences speculate (set with `spec`)
         self.draft_path: Path | None = None  # the drafter folder enable_speculation loaded
         self.cache: PrefixCache | None = None
         if self.config.draft:
@@ -285,7 +288,15 @@ class LLMEngine:
         self.spec = spec
         self.draft_path = None
         self.scheduler.decode_rows = spec.rows_per_step if spec else 1
-        self.scheduler.on_release = spec.release if spec else None
+        self.scheduler.on_release = self._release_spec if spec else None
+        self.adaptive = None
+        self.scheduler.decode_start = None
+        if spec is not None:
+            from lucebox.engine.spec.adaptive import AdaptiveSpec
+
+            self.adaptive = AdaptiveSpec(self.config.spec_adaptive)
+            if self._lazy_context:
+                self.scheduler.decode_start = self._decode_start
         static = self.config.spec_static
         # (not for a hybrid: its verification keeps every row's recurrent state, eagerly)
         if spec is not None and not self.hybrid and (
@@ -293,6 +304,22 @@ class LLMEngine:
             from lucebox.engine.spec.static import StaticSpec
 
             spec.static = StaticSpec(spec, self.config.max_num_seqs, self.n_ctx)
+
+    @property
+    def _lazy_context(self) -> bool:
+        """Plain rows leave the drafter context behind; a sequence that drafts again re-runs those positions
+        first (Scheduler.decode_start). Not a hybrid: re-running positions would advance its recurrent state
+        twice, so its plain rows extend the drafter context as they go (its steps then stay speculative ones)."""
+        return not self.hybrid
+
+    def _decode_start(self, seq: Sequence) -> int:
+        assert self.adaptive is not None
+        return min(seq.draft_len, seq.num_computed) if self.adaptive.speculates(seq) else seq.num_computed
+
+    def _release_spec(self, seq: Sequence) -> None:
+        assert self.spec is not None and self.adaptive is not None
+        self.spec.release(seq)
+        self.adaptive.release(seq)
 
     def _default_kv_tokens(self) -> int:
         """Host RAM (CPU devices): room for a few full-context sequences within 1 GiB, leaving room for
@@ -398,6 +425,10 @@ class LLMEngine:
             captured_prefill = prefill.capture_all(bar.advance) if prefill else 0
             captured_spec = static.capture_all(bar.advance) if static else 0
             steps = warmup.warm_requests(self, lengths, bar.advance)
+            if self.adaptive is not None and self.adaptive.enabled:
+                from lucebox.engine.spec.adaptive import measure_cost_ratio
+
+                self.adaptive.cost = measure_cost_ratio(self)  # r, where per-sequence speculation pays
             torch.cuda.synchronize(self.device)
             bar.close()
         else:
@@ -603,18 +634,30 @@ class LLMEngine:
         return StepOutput(seq, [], True)
 
     def _spec_step(self, chunks: list[Chunk]) -> list[StepOutput]:
-        """Draft for the decoding sequences, verify every draft and run the prefill chunks in one forward.
+        """Draft for the decoding sequences that speculate, verify every draft and run the prefill chunks and
+        the other decodes (sequences whose drafts do not pay now: spec/adaptive.py) in one forward; a step
+        where nothing drafts or prefills is a plain step.
 
         The target's choices are made one sequence at a time (`_chooser`), so a sequence whose sampling
         raises ends alone with "error"; a failed drafter or target pass (before any sequence changed)
         is run again chunk by chunk, and a chunk that still fails ends its sequence alone."""
-        spec = self.spec
-        assert spec is not None
+        spec, adaptive = self.spec, self.adaptive
+        assert spec is not None and adaptive is not None
         decodes = [c for c in chunks if is_decode(c)]
         others = [c for c in chunks if not is_decode(c)]
+        # A sequence drafts once its drafter context reaches its last token (one returning to speculation
+        # first re-runs its plain stretch: a longer chunk, among `others`).
+        drafting = [c for c in decodes if adaptive.speculates(c.seq) and c.seq.draft_len == c.start]
+        plain = [c for c in decodes if not (adaptive.speculates(c.seq) and c.seq.draft_len == c.start)]
+        for c in plain:
+            if not adaptive.speculates(c.seq):
+                adaptive.plain_token(c.seq)
+        lazy = self._lazy_context
+        if lazy and not drafting and not others:
+            return self._plain_step(plain)
         outputs = []
         failed: dict[Sequence, Exception] = {}
-        if decodes and spec.static is not None:
+        if drafting and spec.static is not None:
             step_lps: dict[int, list[TokenLogprobs | None]] = {}
 
             def chooser(chunk: Chunk, logits: torch.Tensor, best: list[int]) -> Callable[[int, list[int]], int]:
@@ -624,11 +667,12 @@ class LLMEngine:
                 return self._chooser(chunk.seq, logits.float(), step_lps.setdefault(chunk.seq.seq_id, []), failed)
 
             try:
-                committed = spec.static.step(decodes, chooser)
+                committed = spec.static.step(drafting, chooser)
             except Exception as exc:  # noqa: BLE001 - no sequence has changed yet: isolate the failing one
                 return self._spec_one_by_one(chunks, exc)
             if committed is not None:
-                for c, tokens in zip(decodes, committed):
+                for c, tokens in zip(drafting, committed):
+                    adaptive.observe(c.seq, len(tokens), len(decodes))
                     if c.seq in failed:
                         outputs.append(self._fail(c.seq, failed[c.seq]))
                         continue
@@ -636,14 +680,15 @@ class LLMEngine:
                     lps = step_lps.get(c.seq.seq_id)
                     finished = self._commit_verified(c, tokens, lps)
                     outputs.append(StepOutput(c.seq, c.seq.token_ids[n_before:], finished))
-                decodes = []
-                if not others:
-                    return outputs
+                drafting = []
+                if lazy and not others:  # the plain rows alone: the plain path (a decode graph's replay)
+                    return outputs + (self._plain_step(plain) if plain else [])
         try:
-            verify = spec.propose(decodes) if decodes else []
-            result = self.runner.forward(self.runner.prepare(verify + others), capture=spec.capture)
+            verify = spec.propose(drafting) if drafting else []
+            result = self.runner.forward(self.runner.prepare(verify + others + plain), capture=spec.capture)
         except Exception as exc:  # noqa: BLE001 - no sequence has changed yet: isolate the failing one
-            return outputs + self._spec_one_by_one(decodes + others, exc)
+            return outputs + self._spec_one_by_one(drafting + others + plain, exc)
+        plain_rows = {id(c) for c in plain}
         for i, c in enumerate(result.inputs.order):
             seq = c.seq
             n_before = len(seq.token_ids)
@@ -651,12 +696,15 @@ class LLMEngine:
                 lps: list[TokenLogprobs | None] = []
                 choose = self._chooser(seq, result.chunk_logits(i), lps, failed)
                 tokens = spec.accept(c, result.chunk_logits(i), result.chunk_features(i), choose)
+                adaptive.observe(seq, len(tokens), len(decodes))
                 if seq in failed:
                     outputs.append(self._fail(seq, failed[seq]))
                     continue
                 finished = self._commit_verified(c, tokens, lps)
             else:
-                spec.extend_context(seq, c.start, result.chunk_features(i))
+                # (lazy: a plain row, or a chunk after one, leaves the drafter context where it is)
+                if not lazy or (id(c) not in plain_rows and seq.draft_len == c.start):
+                    spec.extend_context(seq, c.start, result.chunk_features(i))
                 seq.num_computed = c.start + c.n
                 if not c.wants_logits:
                     continue

@@ -52,6 +52,10 @@ class Scheduler:
         self.decode_rows = 1  # rows a decoding sequence brings to a step (speculative: block or tree size)
         self.cache: PrefixCache | None = None  # reuses and remembers prompt prefixes (lucebox.cache)
         self.on_release: Callable[[Sequence], None] | None = None  # frees per-sequence state elsewhere (drafter)
+        # Where a decoding sequence's chunk starts (None: at num_computed). DFlash starts one that returns to
+        # speculation at the end of its drafter context, so the chunk re-runs the positions it decoded plainly
+        # (their drafter context) and samples at the last one as a decode would.
+        self.decode_start: Callable[[Sequence], int] | None = None
         self.prefill_cap: int | None = None  # most prefill tokens in a step that also decodes (None: no cap)
 
     # ----- queue -------------------------------------------------------------
@@ -85,8 +89,11 @@ class Scheduler:
                 continue  # preempted to make room for an earlier one
             if not self._reserve(seq, seq.num_computed + self.decode_rows, chunks):
                 continue
-            chunks.append(Chunk(seq, seq.num_computed, 1))
-            budget -= 1
+            start = self.decode_start(seq) if self.decode_start is not None else seq.num_computed
+            if seq.num_computed - start + 1 > max(budget, 1):
+                start = seq.num_computed  # no room this step: a one-row decode, the longer chunk later
+            chunks.append(Chunk(seq, start, seq.num_computed - start + 1))
+            budget -= chunks[-1].n
         if chunks and self.prefill_cap is not None:
             budget = min(budget, self.prefill_cap)
         for seq in prefilling:

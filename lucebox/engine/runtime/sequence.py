@@ -44,6 +44,7 @@ class Sequence:
     cache_attached: bool = False  # the prefix cache has set this sequence's starting blocks
     spec_steps: int = 0  # verification passes this sequence took part in
     spec_committed: int = 0  # tokens they committed (acceptance length = committed / steps)
+    spec_state: Any = None  # lucebox.engine.spec.adaptive.Acceptance: speculating or not, and its running tau
 
     def __post_init__(self) -> None:
         if not self.token_ids:

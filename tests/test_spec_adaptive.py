@@ -1,0 +1,143 @@
+"""Adaptive speculation (engine/spec/adaptive.py): a sequence whose drafts do not pay decodes plainly, probes again
+later and can return; every mode gives plain decoding's tokens (fp32 greedy, tiny random llama)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lucebox.engine.runtime.llm_engine import EngineConfig, LLMEngine
+from lucebox.engine.runtime.sampler import SamplingParams
+from lucebox.engine.spec.adaptive import Acceptance, CostRatio, measure_cost_ratio
+from tests.test_spec import random_drafter
+
+PROMPTS = [list(range(5, 30)), list(range(100, 140, 3)), [7, 9, 11]]
+GREEDY = SamplingParams(max_tokens=40, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def files(tiny_gguf, tmp_path_factory):
+    target = tiny_gguf("llama", "F32")
+    return target, random_drafter(target, tmp_path_factory.mktemp("adaptive") / "d", layers=1, block=6)
+
+
+@pytest.fixture(scope="module")
+def plain(files):
+    eng = LLMEngine.from_path(files[0], EngineConfig(device="cpu", dtype="float32", kv_tokens=2048), quiet=True)
+    return [eng.generate([p], GREEDY)[0] for p in PROMPTS]
+
+
+def engine(files, **kw) -> LLMEngine:
+    return LLMEngine.from_path(files[0], EngineConfig(device="cpu", dtype="float32", kv_tokens=2048,
+                                                      draft=str(files[1]), **kw), quiet=True)
+
+
+def drafter_calls(eng: LLMEngine) -> list[int]:
+    """Counts drafter forwards (the real one runs; only counted)."""
+    calls = [0]
+    inner = eng.spec.draft_logprobs
+
+    def counted(chunks):
+        calls[0] += 1
+        return inner(chunks)
+
+    eng.spec.draft_logprobs = counted
+    return calls
+
+
+def run(eng: LLMEngine, seqs, each_step=None) -> None:
+    while any(not s.is_finished for s in seqs):
+        eng.step()
+        if each_step is not None:
+            each_step()
+
+
+def test_useless_drafter_stops_after_the_minimum_and_stays_lossless(files, plain):
+    """A random drafter (tau ~ 1 < r = 1.5): min_steps verifications, then plain steps with no drafter forward;
+    a failed probe doubles the wait."""
+    eng = engine(files)
+    eng.adaptive.probe_every = 8
+    calls = drafter_calls(eng)
+    seq = eng.add(PROMPTS[0], GREEDY)
+    run(eng, [seq])
+    assert seq.output_ids == plain[0]
+    a = eng.adaptive
+    assert a.stats.stops >= 2 and a.stats.probes >= 1 and a.stats.resumes == 0
+    assert seq.spec_steps == calls[0] and seq.spec_steps <= a.min_steps * (a.stats.probes + 1)
+    assert seq.spec_state.interval >= 16  # the failed probe doubled 8
+    assert a.stats.plain_tokens > 20 and a.stats.plain_now == 0
+    assert eng.kv.pool.num_used == 0
+
+
+def test_probe_returns_to_speculation_when_acceptance_pays(files, plain):
+    """Once speculation pays again (here: the cost ratio made low through the tracker's rule), a probe
+    re-runs the plain stretch for the drafter context (one longer chunk) and the sequence drafts again."""
+    eng = engine(files)
+    eng.adaptive.probe_every = 8
+    seq = eng.add(PROMPTS[1], GREEDY)
+    catch_up = []
+
+    def watch():
+        if seq.spec_state is not None and not seq.spec_state.speculating:
+            eng.adaptive.cost = CostRatio(0.5)  # tau >= 1 > 0.5: the probe passes
+        catch_up.extend(n for sid, start, n in eng.last_step if sid == seq.seq_id and n > 1 and start > 0)
+
+    run(eng, [seq], watch)
+    assert seq.output_ids == plain[1]
+    assert eng.adaptive.stats.resumes == 1 and seq.spec_state.speculating
+    assert catch_up == [8 + 1]  # the 8 plain positions' drafter context, and the decode row
+    assert seq.spec_steps > eng.adaptive.min_steps
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_batch_mixing_speculating_and_plain_sequences(files, plain, static):
+    """One sequence drafts throughout, one decodes plainly, a third arrives mid-way (prefill beside both):
+    each gets its tokens alone; the plain one never drafts."""
+    eng = engine(files, spec_static=static)
+    eng.adaptive.cost = CostRatio(0.5)
+    a = eng.add(PROMPTS[0], GREEDY)
+    b = eng.new_sequence(PROMPTS[1], GREEDY)
+    b.spec_state = Acceptance(interval=1 << 30, speculating=False)
+    eng.scheduler.add(b)
+    for _ in range(3):
+        eng.step()
+    c = eng.add(PROMPTS[2], GREEDY)
+    run(eng, [a, b, c])
+    assert [a.output_ids, b.output_ids, c.output_ids] == plain
+    assert b.spec_steps == 0 and a.spec_steps > 0 and c.spec_steps > 0
+    assert eng.kv.pool.num_used == 0
+
+
+def test_the_switch_turns_the_rule_off(files, plain):
+    eng = engine(files, spec_adaptive=False)
+    assert eng.generate(PROMPTS[:1], GREEDY) == plain[:1]
+    assert eng.adaptive.stats.stops == 0 and eng.spec.stats.steps > 10
+
+
+def test_cost_ratio_lookup_and_measurement(files):
+    r = CostRatio({1: 1.2, 4: 1.6, 16: 2.5})
+    assert (r.at(1), r.at(2), r.at(4), r.at(9), r.at(64)) == (1.2, 1.6, 1.6, 2.5, 2.5)
+    with pytest.raises(ValueError):
+        CostRatio(0.0)
+    eng = engine(files)
+    measured = measure_cost_ratio(eng, batches=(1, 2), steps=2, prompt_len=8)
+    assert measured.measured and set(measured.ratios) == {1, 2} and min(measured.ratios.values()) > 0
+    assert not eng.has_work() and eng.kv.pool.num_used == 0
+    assert eng.spec.stats.steps == 0 and eng.adaptive.stats.plain_now == 0 and eng.adaptive.enabled
+
+
+def test_serve_flag():
+    from lucebox.cli import build_parser
+    from lucebox.serve import ServerConfig
+
+    parser = build_parser()
+    assert ServerConfig.from_args(parser.parse_args(["serve"])).spec_adaptive
+    assert not ServerConfig.from_args(parser.parse_args(["serve", "--no-spec-adaptive"])).spec_adaptive
