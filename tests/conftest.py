@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from lucebox import fetch
 from lucebox.data import DATA_DIR
@@ -27,6 +28,17 @@ def smollm2_path() -> Path:
 @pytest.fixture(scope="session")
 def gemma3_path() -> Path:
     return fetch.pull("gemma3-270m", quiet=True)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """For modules of tiny models (`pytestmark = pytest.mark.usefixtures("one_thread")`): one intra-op thread
+    is faster on tensors this small, and far faster while other processes load the cores (each barrier of a
+    multi-threaded op then waits for a descheduled thread)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 from tests.fixtures.tiny_models import tiny_gguf, tiny_hf_folder  # noqa: E402,F401  (session fixtures)

@@ -26,6 +26,8 @@ from lucebox.errors import ModelFileError
 from tests.fixtures.tiny_models import tiny_laguna_model, write_tiny_laguna_hf
 from tests.test_parity import assert_close
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 
@@ -34,15 +36,6 @@ CHUNK = 16  # the engine's prefill budget per step here: the tiny window's size,
 
 def prompt(n: int, seed: int) -> list[int]:
     return [int(t) for t in torch.randint(3, 380, (n,), generator=torch.Generator().manual_seed(seed))]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny tensors: one thread is faster, and far faster while other processes load the cores."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,8 @@ from lucebox.engine.runtime.sampler import SamplingParams
 from tests.fixtures.tiny_models import tiny_qwen35_model, write_tiny_qwen35_gguf, write_tiny_qwen35_hf
 from tests.test_parity import assert_close
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 
@@ -33,15 +35,6 @@ def prompt(n: int, seed: int) -> list[int]:
 
 ARCHS = {"qwen35": False, "qwen35moe": True}  # arch -> moe
 FORMATS = [(arch, fmt) for arch in ARCHS for fmt in ("hf", "gguf")]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny tensors: one thread is faster, and far faster while other processes load the cores."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

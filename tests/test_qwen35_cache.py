@@ -22,6 +22,8 @@ from lucebox.engine.runtime.sampler import SamplingParams
 from lucebox.engine.runtime.sequence import Chunk, Sequence
 from tests.fixtures.tiny_models import write_tiny_qwen35_gguf
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
 SYSTEM = ("You are a careful assistant for a small bakery. Answer questions about opening hours, prices and "
           "ingredients in one or two short sentences, and say so when you do not know.")
 TURN1 = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "When do you open on Sundays?"}]
@@ -29,15 +31,6 @@ TURN2 = TURN1 + [{"role": "assistant", "content": "We open at 9 am on Sundays."}
                  {"role": "user", "content": "And is the rye bread vegan?"}]
 TURN3 = TURN2 + [{"role": "assistant", "content": "Yes, it is."}, {"role": "user", "content": "Thanks!"}]
 OTHER = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Do you bake gluten-free cakes?"}]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny tensors: one thread is faster, and far faster while other processes load the cores."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

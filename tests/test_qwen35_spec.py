@@ -23,16 +23,9 @@ from lucebox.engine.spec.drafter import DFlashDrafter, drafter_config_for, save_
 from lucebox.engine.weights.loader import read_model_config
 from tests.fixtures.tiny_models import write_tiny_qwen35_gguf
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
 N = 14  # tokens generated per prompt
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny tensors: one thread is faster, and far faster while other processes load the cores."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def prompt(n: int, seed: int) -> list[int]:

@@ -10,7 +10,6 @@ import math
 from pathlib import Path
 
 import pytest
-import torch
 
 from lucebox.bench.decode import random_shapes
 from lucebox.bench.random_models import HYBRID_SHAPES, hybrid_tensors, tensor_qtype, write_random_hybrid_gguf
@@ -19,16 +18,9 @@ from lucebox.engine.runtime.sampler import SamplingParams
 from lucebox.engine.weights.gguf_loader import open_gguf
 from tests.fixtures.tiny_models import write_tiny_gguf, write_tiny_qwen35_gguf
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
 TINY = {"qwen35": "tiny-qwen3.5", "qwen35moe": "tiny-qwen3.5-moe"}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny tensors: one thread is faster, and far faster while other processes load the cores."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

@@ -29,18 +29,11 @@ from lucebox.engine.weights.loader import load_model
 from lucebox.errors import LuceboxError
 from tests.fixtures.tiny_models import write_tiny_qwen35_gguf
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
 DATA = Path(__file__).resolve().parents[1] / "lucebox" / "data"
 IDS = list(range(3, 40)) + list(range(100, 160))
 PROMPTS = [IDS, list(range(200, 260)), list(range(7, 19))]
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a loaded 2-core box their barriers cost 10x."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def engine(path: Path, spark: SparkConfig | None = None, quantized: bool | None = None):

@@ -4,23 +4,16 @@ later and can return; every mode gives plain decoding's tokens (fp32 greedy, tin
 from __future__ import annotations
 
 import pytest
-import torch
 
 from lucebox.engine.runtime.llm_engine import EngineConfig, LLMEngine
 from lucebox.engine.runtime.sampler import SamplingParams
 from lucebox.engine.spec.adaptive import Acceptance, CostRatio, measure_cost_ratio
 from tests.test_spec import random_drafter
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
 PROMPTS = [list(range(5, 30)), list(range(100, 140, 3)), [7, 9, 11]]
 GREEDY = SamplingParams(max_tokens=40, ignore_eos=True)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

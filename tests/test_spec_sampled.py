@@ -40,6 +40,8 @@ from lucebox.engine.weights.loader import load_model
 from lucebox.train.examples import Example
 from lucebox.train.trainer import TrainConfig, Trainer, new_drafter
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
 PROMPT = list(range(5, 30))
 NEW = 3  # new tokens per request: the joint outcome is the test's "symbol"
 N = 3000  # samples per mode
@@ -47,14 +49,6 @@ ALPHA = 1e-3  # a correct implementation fails one comparison with this probabil
 BLOCK = 4
 BUDGET = 8  # DDTree nodes (> BLOCK - 1: top-8 siblings per depth)
 PARAMS = dict(temperature=1.0, top_k=3)  # the main case: 3 tokens per position
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def engine(target: Path, n_seqs: int = N, **kw) -> LLMEngine:

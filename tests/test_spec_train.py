@@ -47,15 +47,9 @@ from lucebox.train.loss import (
 from lucebox.train.trainer import CHECKPOINT, TrainConfig, Trainer, new_drafter
 from tests.fixtures import tiny_models
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
 DATA = DATA_DIR  # bundled in the repository (lucebox/data): a missing file fails, never skips
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def load(path: Path):

@@ -36,13 +36,7 @@ from lucebox.train.packed import (
 )
 from lucebox.train.trainer import CHECKPOINT, FEATURES, TrainConfig, Trainer, export_drafter
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")
