@@ -67,7 +67,8 @@ def add_spark_args(p: argparse.ArgumentParser) -> None:
                    help="serve a MoE model with its experts placed by this profile (`spark calibrate`)")
     p.add_argument("--expert-gpu-budget", default=None, metavar="GB|N%",
                    help="device memory for expert weights, ring slots included: GB, or a percentage of the expert "
-                        "bytes (default: the profile's; without --spark, a uniform placement of this budget)")
+                        "bytes (default: the profile's; without --spark, a uniform placement of this budget); "
+                        "under -tp N each GPU takes 1/N of it for its own experts")
     p.add_argument("--spark-ring", type=int, default=None, metavar="N",
                    help="spare device slots per MoE layer for cold experts, least recently used out (default "
                         "n_experts/8, at most 32, at most half the budget)")

@@ -160,8 +160,6 @@ class ServerConfig:
             raise LuceboxError(f"--gpu-memory must be a positive number of GB, got {self.gpu_memory}")
         if self.tensor_parallel < 1:
             raise LuceboxError(f"--tensor-parallel must be at least 1, got {self.tensor_parallel}")
-        if self.tensor_parallel > 1 and (self.spark is not None or self.expert_gpu_budget is not None):
-            raise LuceboxError("--spark / --expert-gpu-budget do not combine with --tensor-parallel yet")
         if self.max_connections is not None and self.max_connections < 1:
             raise LuceboxError(f"--max-connections must be at least 1, got {self.max_connections}")
         if not self.request_timeout > 0:
@@ -334,9 +332,6 @@ def enable_pflash(engine: Any, cfg: ServerConfig) -> Any:
     cfg.validate()
     if cfg.prefill_compression == "off":
         return None
-    if cfg.tensor_parallel > 1:  # its scorer would run the sharded target's layers on rank 0 alone
-        log.info("PFlash is off under --tensor-parallel")
-        return None
     target = engine.loaded
     scorer = target
     if cfg.prefill_drafter is not None:
@@ -352,7 +347,10 @@ def enable_pflash(engine: Any, cfg: ServerConfig) -> Any:
         log.info("PFlash auto compresses prompts over %d tokens, more than this model's context (%d): it will not "
                  "fire here (a longer prompt is rejected, not compressed); --prefill-threshold lowers it",
                  threshold, engine.n_ctx)
-    pflash = PFlash.for_model(target, scorer, PFlashConfig(keep_ratio=cfg.prefill_keep_ratio))
+    # The target as its own scorer runs through the engine (under -tp on every rank's shard); a separate
+    # scorer runs whole in this process (on rank 0 under -tp, as the DFlash drafter does).
+    pflash = PFlash.for_model(target, scorer, PFlashConfig(keep_ratio=cfg.prefill_keep_ratio),
+                              importance=engine.token_importance if scorer is target else None)
     service = PFlashService(pflash, mode=cfg.prefill_compression, threshold=threshold,
                             keep_ratio=cfg.prefill_keep_ratio, cache=engine.cache, scorer_name=str(scorer.path),
                             target_model=target.model, park=not cfg.prefill_skip_park)

@@ -2,7 +2,8 @@
 
 The test process is rank 0 (one group for the module, a spawned rank 1); each architecture's greedy tokens
 and top-3 logprobs at 2 ranks equal one rank's (the logprobs to float rounding: the all-reduce sums the
-heads' partial products in another order). A killed rank makes its peer exit non-zero within seconds.
+heads' partial products in another order), with PFlash (the target scoring on both ranks) and Spark offload
+(each rank placing its own experts) too. A killed rank makes its peer exit non-zero within seconds.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -24,6 +26,7 @@ from lucebox.cache.manager import CacheConfig
 from lucebox.cache.snapshots import token_key
 from lucebox.engine.parallel.group import FATAL_EXIT, PLAN_WORDS
 from lucebox.engine.parallel.worker import TPGroup
+from lucebox.engine.pflash import PFlashConfig
 from lucebox.engine.runtime.llm_engine import EngineConfig, LLMEngine
 from lucebox.engine.runtime.sampler import SamplingParams
 from lucebox.engine.spec.drafter import DFlashDrafter, drafter_config_for, save_drafter
@@ -218,6 +221,75 @@ def test_ddtree_under_two_ranks_moves_every_ranks_kv(group, tiny_gguf, tmp_path,
     monkeypatch.setattr(spec, "draft_logprobs", oracle)
     assert eng.generate(prompts, params) == plain
     assert spec.stats.committed > 2 * spec.stats.steps, "the verifications accepted paths off the top-1 chain"
+
+
+HAYSTACK = " ".join(f"Note {i}: the {('red', 'blue', 'green', 'grey')[i % 4]} box holds {i * 7 % 31} keys."
+                    for i in range(40))
+SELECT = PFlashConfig(keep_ratio=0.2, chunk=16, head_chunks=1, tail_chunks=2)  # most chunks kept by score
+
+
+@pytest.mark.parametrize("scorer", [None, "llama"])  # the target itself (sharded), a separate file (rank 0)
+def test_pflash_under_two_ranks_keeps_one_ranks_chunks(group, tiny_gguf, scorer):
+    """PFlash as `--prefill-compression always` sets it up, on a long prompt: the target as its own scorer
+    runs on both ranks' shards (a SCORE plan, each rank's maxima over its heads maxed over the ranks), here in
+    a worker thread while the engine thread decodes (as the server runs it); a separate scorer runs whole on
+    rank 0. The scores, the kept chunks and the compressed prompt's greedy tokens are one rank's."""
+    from lucebox.serve import ServerConfig, enable_pflash
+
+    path = tiny_gguf("qwen3")
+    cfg = ServerConfig(model=str(path), device="cpu", prefill_compression="always", prefill_keep_ratio=0.2,
+                       prefill_drafter=str(tiny_gguf(scorer)) if scorer else None)
+    got = []
+    for tp in (1, 2):
+        eng = LLMEngine.from_path(path, EngineConfig(device="cpu", kv_tokens=1024, tensor_parallel=tp), quiet=True)
+        pf = enable_pflash(eng, dataclasses.replace(cfg, tensor_parallel=tp)).pflash
+        with ThreadPoolExecutor(1) as pool:
+            scoring = pool.submit(pf.score, HAYSTACK)
+            decoded = run(eng, PROMPTS[1:])  # steps meanwhile: they take turns with the scorer pass on the ranks
+            res = pf.select(scored := scoring.result(), query=HAYSTACK[-40:], config=SELECT)
+        got.append((scored.scores, res.kept_chunks, run(eng, [res.ids]), decoded))
+    (scores1, kept1, out1, dec1), (scores2, kept2, out2, dec2) = got
+    assert len(scores1) > 1000 and 10 < len(kept1) < len(scores1) // 64  # a fifth of the chunks of 16
+    assert kept2 == kept1
+    torch.testing.assert_close(scores2, scores1, rtol=1e-5, atol=1e-7)
+    assert_same(out1, out2)
+    assert_same(dec1, dec2)
+
+
+def spark_profile(path: Path, out: Path, counts: list[int]) -> Path:
+    """A Spark profile of `path` whose every MoE layer was routed `counts` times per expert."""
+    from lucebox.engine.spark.profile import layout, layout_id, moe_layers, router_fingerprint, write_profile
+    from lucebox.engine.weights.loader import load_model
+
+    loaded = load_model(path, device="cpu", quiet=True)
+    lay = layout(loaded.model, loaded.config.arch, loaded.quant)
+    write_profile(out, {"layout": lay, "layout_id": layout_id(lay), "router_fingerprint": router_fingerprint(
+        loaded.model), "counts": {str(i): counts for i in moe_layers(loaded.model)}, "heldout_counts": {}})
+    return out
+
+
+def test_spark_under_two_ranks_places_each_ranks_experts(group, tiny_gguf, tmp_path):
+    """Spark offload on both ranks, each placing its own experts (0-3 on rank 0, 4-7 on rank 1) from one
+    profile with its share of the budget: down to every expert cold, the tokens are one rank's with every
+    expert on the device."""
+    from lucebox.engine.spark.engine import SparkConfig, spark_engine
+
+    path = tiny_gguf("qwen3moe")
+    want = run(engine(path), PROMPTS)
+    profile = spark_profile(path, tmp_path / "profile.json", [1, 9, 0, 5, 50, 40, 2, 3])
+    config = EngineConfig(device="cpu", kv_tokens=512, tensor_parallel=2)
+    # (budget of the whole model, ring slots per layer and rank, CPU rows): 50% is 2 experts a layer a rank
+    for budget, ring, cpu_rows in (("50%", 0, 0), ("50%", 1, 1), ("0%", 0, 1)):
+        eng, spark = spark_engine(path, config, SparkConfig(profile=profile, budget=budget, ring=ring,
+                                                            cpu_rows=cpu_rows), quiet=True)
+        assert_same(want, run(eng, PROMPTS))
+        hot = {i: layer.hot for i, layer in spark.layers.items()}
+        s = spark.stats
+        assert spark.info["held_experts"] == [0, 4] and s.routed == s.hot + s.ring_hits + s.cold > 0
+        if (budget, ring) == ("50%", 0):
+            assert all(h == [1, 3] for h in hot.values()), hot  # rank 0's most routed, not rank 1's 4 and 5
+        if budget == "0%":
+            assert s.hot == 0 and s.cold == s.routed and s.cpu_experts > 0 and s.copies > 0
 
 
 def test_ranks_started_by_torchrun_env_as_two_nodes(tiny_gguf):

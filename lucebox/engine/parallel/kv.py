@@ -61,14 +61,14 @@ class ShardedKV(LocalKV):
             raise ValueError(f"a host tensor {tuple(out.shape)} {out.dtype} cannot take the KV of {n_tokens} "
                              f"positions {self.shape(n_tokens)} {self.dtype}")
         blocks = list(block_table[:self.kv.blocks_for(n_tokens)])
-        self.sender.send(encode_save(n_tokens, blocks))
-        try:
-            parts = self.comm.gather_to_root(save_rows(self.kv, blocks, n_tokens))
-            assert parts is not None
-            for heads, part in zip(self.ranges, parts):
-                out[:, :, :, heads.start:heads.stop].copy_(part)
-        except Exception as exc:  # noqa: BLE001 - the other ranks took part: a retry would be out of step
-            fatal(f"rank 0: a snapshot's save failed after its plan was sent ({type(exc).__name__}: {exc})")
+        with self.sender.turn(encode_save(n_tokens, blocks)):
+            try:
+                parts = self.comm.gather_to_root(save_rows(self.kv, blocks, n_tokens))
+                assert parts is not None
+                for heads, part in zip(self.ranges, parts):
+                    out[:, :, :, heads.start:heads.stop].copy_(part)
+            except Exception as exc:  # noqa: BLE001 - the other ranks took part: a retry would be out of step
+                fatal(f"rank 0: a snapshot's save failed after its plan was sent ({type(exc).__name__}: {exc})")
         return KVCopy(None)
 
     def scatter(self, block_table: Sequence[int], snapshot_kv: torch.Tensor, start: int, end: int) -> None:
@@ -82,13 +82,13 @@ class ShardedKV(LocalKV):
         if start == end:
             return
         blocks = list(block_table[:self.kv.blocks_for(end)])
-        self.sender.send(encode_load(start, end, blocks))
-        try:
-            parts = [snapshot_kv[:, :, start:end, h.start:h.stop] for h in self.ranges]
-            mine = self.comm.scatter_from_root(load_rows(self.kv, start, end), parts)
-            write_rows(self.kv, blocks, start, end, mine)
-        except Exception as exc:  # noqa: BLE001 - as in gather_into
-            fatal(f"rank 0: a snapshot's restore failed after its plan was sent ({type(exc).__name__}: {exc})")
+        with self.sender.turn(encode_load(start, end, blocks)):
+            try:
+                parts = [snapshot_kv[:, :, start:end, h.start:h.stop] for h in self.ranges]
+                mine = self.comm.scatter_from_root(load_rows(self.kv, start, end), parts)
+                write_rows(self.kv, blocks, start, end, mine)
+            except Exception as exc:  # noqa: BLE001 - as in gather_into
+                fatal(f"rank 0: a snapshot's restore failed after its plan was sent ({type(exc).__name__}: {exc})")
 
 
 def write_rows(kv: KVCache, blocks: Sequence[int], start: int, end: int, rows: torch.Tensor) -> None:

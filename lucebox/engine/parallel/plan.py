@@ -1,6 +1,6 @@
-"""What rank 0 tells the other ranks to do, as one compact int64 array per message: a step's forward, or a
-prefix-cache snapshot's copy out of or into the KV blocks, each after the K/V moves DDTree made since the
-previous message.
+"""What rank 0 tells the other ranks to do, as one compact int64 array per message: a step's forward, a
+prefix-cache snapshot's copy out of or into the KV blocks, or a PFlash scorer pass, each after the K/V moves
+DDTree made since the previous message.
 
 A step carries what the other ranks need to build exactly the inputs rank 0's ModelRunner.prepare builds
 (prepare is deterministic in the chunks, so the same chunks give the same rows, slots, block tables and
@@ -13,11 +13,21 @@ Layout: [n_moves, src slots (n_moves), dst slots (n_moves), op, ...], then by op
   flags: 1 verification, 2 samples (wants logits), 4 has a draft tree.
 - SAVE: [n_tokens, n_blocks, *blocks]: send rank 0 the KV of positions [0, n_tokens) of these blocks.
 - LOAD: [start, end, n_blocks, *blocks]: take positions [start, end) from rank 0 into these blocks.
+- SCORE: [n, *ids]: PFlash's scorer forward over these n token ids (the target as its own scorer); the
+  PFlashConfig follows as one object on the plan group, and the ranks' tail-attention maxima meet in one
+  all-gather at its end (worker.sharded_importance). It reads and writes no KV, and carries no moves: it is
+  sent from the scorer's thread, and the moves wait for the engine thread's next message.
+
+Rank 0 sends a message and runs the collectives it starts under one lock (`PlanSender.turn`): the engine
+thread's steps and snapshot copies and a PFlash worker thread's scorer passes take turns, so every rank meets
+them in the order it received them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -27,7 +37,7 @@ from lucebox.engine.runtime.sequence import Chunk
 from lucebox.errors import LuceboxError
 
 VERIFY, SAMPLES, TREE = 1, 2, 4
-STEP, SAVE, LOAD = 0, 1, 2
+STEP, SAVE, LOAD, SCORE = 0, 1, 2, 3
 
 
 @dataclass
@@ -64,6 +74,7 @@ class Plan:
     start: int = 0  # SAVE (always 0) and LOAD: positions [start, end) of `blocks`
     end: int = 0
     blocks: list[int] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)  # SCORE
 
 
 def encode_step(chunks: list[Chunk], capture: tuple[int, ...], block_size: int) -> list[int]:
@@ -88,6 +99,10 @@ def encode_load(start: int, end: int, blocks: list[int]) -> list[int]:
     return [LOAD, start, end, len(blocks), *blocks]
 
 
+def encode_score(ids: list[int]) -> list[int]:
+    return [SCORE, len(ids), *ids]
+
+
 def with_moves(moves: list[tuple[int, int]], op: list[int]) -> np.ndarray:
     """The message of `op`, after the K/V moves (source slot, destination slot) the other ranks must make."""
     return np.asarray([len(moves), *(a for a, _ in moves), *(b for _, b in moves), *op], dtype=np.int64)
@@ -107,6 +122,8 @@ def decode_plan(plan: np.ndarray) -> Plan:
     if op == LOAD:
         start, end, nb = w[at:at + 3]
         return Plan(op, moves, start=start, end=end, blocks=w[at + 3:at + 3 + nb])
+    if op == SCORE:
+        return Plan(op, moves, ids=w[at + 1:at + 1 + w[at]])
     n_cap = w[at]
     capture = tuple(w[at + 1:at + 1 + n_cap])
     at += 1 + n_cap
@@ -138,8 +155,14 @@ class PlanSender:
         self.comm = comm
         self.moves = moves
         self.closed = False
+        self.lock = threading.Lock()
 
-    def send(self, op: list[int]) -> None:
-        if self.closed:
-            raise LuceboxError("this tensor-parallel engine was closed (another one was loaded)")
-        self.comm.send_plan(with_moves(self.moves(), op))
+    @contextmanager
+    def turn(self, op: list[int], moves: bool = True) -> Iterator[None]:
+        """Send `op`, then hold the group while the caller runs the collectives it starts (module docstring);
+        `moves=False`: leave DDTree's moves to the engine thread's next message."""
+        with self.lock:
+            if self.closed:
+                raise LuceboxError("this tensor-parallel engine was closed (another one was loaded)")
+            self.comm.send_plan(with_moves(self.moves() if moves else [], op))
+            yield

@@ -18,8 +18,19 @@ spawned rank watches its parent; either way the process that notices exits non-z
 Speculative decoding: a DFlash chain or a DDTree, its drafter on rank 0 alone (WholeHeads says why); a draft
 tree and its parents (the attention mask) travel in the verification's plan, and the K/V moves of the accepted
 paths in the next plan (kv.py). The prefix cache: all three tiers; a RAM or disk snapshot holds every rank's
-K/V heads (kv.py). Not under tensor parallelism yet (refused or switched off with a log line): CUDA graphs
-(decode runs eagerly), PFlash, Spark offload and hybrid (DeltaNet) models.
+K/V heads (kv.py).
+
+PFlash: the default scorer, the target itself, scores through the sharded target on every rank
+(`TPEngine.token_importance`, a SCORE plan), since running it on rank 0 alone would need the whole target
+there; each rank's tail attention covers its query heads and the scorer's max over heads becomes one max over
+the ranks (`sharded_importance`), so the scores are one rank's. A separate scorer (--prefill-drafter) is
+small and runs whole on rank 0, as the DFlash drafter does. The compressed prompt then prefills as any other.
+
+Spark: each rank places its own experts (those shard.py gave it) from the same profile, with its share of the
+budget, the cold ones in its host memory (spark/engine.py); rank 0's Spark is the one /props and /metrics show.
+
+Not under tensor parallelism yet (refused or switched off with a log line): CUDA graphs (decode runs eagerly)
+and hybrid (DeltaNet) models.
 """
 
 from __future__ import annotations
@@ -43,10 +54,13 @@ from lucebox.engine.models.config import ModelConfig
 from lucebox.engine.models.decoder import DecoderModel
 from lucebox.engine.parallel.group import Comm, close_group, fatal, init_group
 from lucebox.engine.parallel.kv import LeaderSpec, ShardedKV, load_rows, move_rows, save_rows, write_rows
-from lucebox.engine.parallel.plan import LOAD, SAVE, PlanSender, decode_plan, encode_step
+from lucebox.engine.parallel.plan import LOAD, SAVE, SCORE, PlanSender, decode_plan, encode_score, encode_step
 from lucebox.engine.parallel.shard import check_shardable, shard_model
+from lucebox.engine.pflash.config import PFlashConfig
+from lucebox.engine.pflash.scorer import token_importance
 from lucebox.engine.runtime.llm_engine import WEIGHTS, EngineConfig, LLMEngine
 from lucebox.engine.runtime.model_runner import ModelRunner, StepInputs, StepResult
+from lucebox.engine.spark.engine import Spark, SparkConfig, place_experts
 from lucebox.engine.weights.loader import LoadedModel, load_model, read_model_config
 from lucebox.errors import LuceboxError
 
@@ -61,20 +75,21 @@ class LeaderRunner(ModelRunner):
     sender: PlanSender
 
     def forward(self, inputs: StepInputs, capture: tuple[int, ...] = ()) -> StepResult:
-        self.sender.send(encode_step(inputs.order, tuple(capture), self.kv.block_size))
-        try:
-            return super().forward(inputs, capture)
-        except Exception as exc:  # noqa: BLE001 - the other ranks ran this step: a retry would be out of step
-            fatal(f"rank 0: a forward failed after its plan was sent ({type(exc).__name__}: {exc})")
+        with self.sender.turn(encode_step(inputs.order, tuple(capture), self.kv.block_size)):
+            try:
+                return super().forward(inputs, capture)
+            except Exception as exc:  # noqa: BLE001 - the other ranks ran this step: a retry would be out of step
+                fatal(f"rank 0: a forward failed after its plan was sent ({type(exc).__name__}: {exc})")
 
 
 class TPEngine(LLMEngine):
     """LLMEngine on rank 0 of a tensor-parallel group: the same scheduler and sampling over the sharded model."""
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig, group: TPGroup, full: ModelConfig,
-                 heads: WholeHeads | None = None) -> None:
+                 heads: WholeHeads | None = None, spark: Spark | None = None) -> None:
         # before LLMEngine's __init__: it enables speculation with the heads, whose decoder's moves the plans carry
         self.heads = heads
+        self.spark = spark  # rank 0's placed experts (spark/engine.py), when Spark placed them
         self.tp = group
         self.full_config = full  # the unsharded model's (a snapshot holds all its K/V heads)
         self.sender = PlanSender(group.comm, self._moves)
@@ -102,6 +117,17 @@ class TPEngine(LLMEngine):
     def score(self, token_ids: list[int]) -> torch.Tensor:
         raise LuceboxError("score() runs the model outside a step; not available with --tensor-parallel")
 
+    def token_importance(self, ids: list[int], cfg: PFlashConfig) -> torch.Tensor:
+        """PFlash with the target as its own scorer: its forward on every rank's shard (a SCORE plan), not on
+        rank 0 alone, which would need the whole target there. Called from PFlash's worker thread: the plan
+        lock runs it between two of the engine thread's messages (decode steps wait for the pass)."""
+        with self.sender.turn(encode_score(ids), moves=False):
+            try:
+                self.tp.comm.broadcast_object(cfg)
+                return sharded_importance(self.loaded.model, ids, cfg, self.tp.comm)
+            except Exception as exc:  # noqa: BLE001 - as in LeaderRunner.forward
+                fatal(f"rank 0: a PFlash scorer pass failed after its plan was sent ({type(exc).__name__}: {exc})")
+
     def close(self) -> None:
         """Let the other ranks drop this engine (they then wait for the next load)."""
         self.tp.release(self)
@@ -125,11 +151,18 @@ class WholeHeads(nn.Module):
             self.output = model.output
 
 
-def load_shard(path: Path, config: EngineConfig, comm: Comm, quiet: bool = False,
-               keep_heads: bool = False) -> tuple[LoadedModel, WholeHeads | None]:
+def sharded_importance(model: DecoderModel, ids: list[int], cfg: PFlashConfig, comm: Comm) -> torch.Tensor:
+    """PFlash's token importance over this rank's shard, every rank in step (pflash/scorer.py): each rank's
+    tail attention covers its query heads, and the max over all heads is the max of the ranks' maxima."""
+    return token_importance(model, ids, cfg, rank_max=lambda x: torch.stack(comm.all_gather(x)).amax(0))
+
+
+def load_shard(path: Path, config: EngineConfig, comm: Comm, quiet: bool = False, keep_heads: bool = False,
+               spark: SparkConfig | None = None) -> tuple[LoadedModel, WholeHeads | None, Spark | None]:
     """This rank's shard: the model read on the host, split (shard.py), then moved to the rank's device, so a
-    device only ever holds its share (and, `keep_heads`, the whole embedding and head for a drafter).
-    GGUF blocks stay quantized on CUDA unless --weights dense."""
+    device only ever holds its share (and, `keep_heads`, the whole embedding and head for a drafter); with
+    `spark`, the rank's experts are placed by Spark instead (its share of the budget on the device, the cold
+    ones in host memory: spark/engine.py). GGUF blocks stay quantized on CUDA unless --weights dense."""
     device = comm.device
     dtype = config.resolve_dtype(device)
     quantized = WEIGHTS[config.weights]
@@ -137,11 +170,15 @@ def load_shard(path: Path, config: EngineConfig, comm: Comm, quiet: bool = False
                         quantized=device.type == "cuda" if quantized is None else quantized)
     heads = WholeHeads(loaded.model) if keep_heads else None
     loaded.config = shard_model(loaded.model, comm)
-    loaded.model.to(device)
+    placed = None
+    if spark is not None:
+        placed = place_experts(loaded, device, spark, quiet)  # the rest of the model moves to the device
+    else:
+        loaded.model.to(device)
     if heads is not None:
         heads.to(device)
     loaded.device = device
-    return loaded, heads
+    return loaded, heads, placed
 
 
 class TPGroup:
@@ -184,15 +221,16 @@ class TPGroup:
         """The spawned ranks' process ids (rank 1 first)."""
         return [p.pid for p in self.procs]
 
-    def load(self, path: Path, config: EngineConfig, quiet: bool = False) -> TPEngine:
-        """Load `path` on every rank (each its shard) and return rank 0's engine; a previous one is released."""
+    def load(self, path: Path, config: EngineConfig, quiet: bool = False, spark: SparkConfig | None = None) -> TPEngine:
+        """Load `path` on every rank (each its shard; `spark`: each rank's experts placed by Spark) and return
+        rank 0's engine; a previous one is released."""
         full = check_config(path, config)
         config = dataclasses.replace(config, cuda_graphs=False, spec_static=False)
         self.release()
-        self.comm.broadcast_object(("load", str(path), dataclasses.replace(config, draft=None)))
+        self.comm.broadcast_object(("load", str(path), dataclasses.replace(config, draft=None), spark))
         try:
-            loaded, heads = load_shard(path, config, self.comm, quiet, keep_heads=bool(config.draft))
-            engine: TPEngine | None = TPEngine(loaded, config, self, full, heads)
+            loaded, heads, placed = load_shard(path, config, self.comm, quiet, bool(config.draft), spark)
+            engine: TPEngine | None = TPEngine(loaded, config, self, full, heads, placed)
             error = None
         except LuceboxError as exc:  # the same file refused on every rank, most likely: say which
             engine, error = None, str(exc)
@@ -209,7 +247,8 @@ class TPGroup:
         if engine is not None and engine is not self.active:
             return
         if self.active is not None:
-            self.active.sender.closed = True
+            with self.active.sender.lock:  # after a PFlash scorer pass in flight; none starts after it
+                self.active.sender.closed = True
             self.active = None
         if self.engaged:
             self.comm.send_plan(None)
@@ -236,11 +275,13 @@ class TPGroup:
             time.sleep(WATCH_S)
 
 
-def tensor_parallel_engine(path: Path, config: EngineConfig, quiet: bool = False) -> TPEngine:
-    """LLMEngine.from_path for --tensor-parallel N > 1: rank 0's engine, the other ranks started and loaded."""
+def tensor_parallel_engine(path: Path, config: EngineConfig, quiet: bool = False,
+                           spark: SparkConfig | None = None) -> TPEngine:
+    """LLMEngine.from_path (spark: spark_engine) for --tensor-parallel N > 1: rank 0's engine, the other ranks
+    started and loaded."""
     device = config.resolve_device()
     check_config(path, config)  # before any process starts
-    return TPGroup.get(config.tensor_parallel, device.type).load(path, config, quiet)
+    return TPGroup.get(config.tensor_parallel, device.type).load(path, config, quiet, spark)
 
 
 def check_config(path: Path, config: EngineConfig) -> ModelConfig:
@@ -269,10 +310,10 @@ def follower_main(rank: int, world: int, device_type: str, init_method: str = "e
         msg = comm.broadcast_object()
         if msg[0] == "exit":
             break
-        _, path, config = msg
+        _, path, config, spark = msg
         engine = None  # the previous model's memory goes before the next one loads
         try:
-            engine, error = LLMEngine(load_shard(Path(path), config, comm, quiet=True)[0], config), None
+            engine, error = LLMEngine(load_shard(Path(path), config, comm, True, spark=spark)[0], config), None
         except LuceboxError as exc:  # told to rank 0, which raises it; wait for the next load
             error = str(exc)
         if any(e is not None for e in comm.gather_objects(error)):
@@ -295,6 +336,8 @@ def run_plans(runner: ModelRunner, comm: Comm) -> None:
         elif plan.op == LOAD:
             write_rows(kv, plan.blocks, plan.start, plan.end,
                        comm.scatter_from_root(load_rows(kv, plan.start, plan.end)))
+        elif plan.op == SCORE:
+            sharded_importance(runner.model, plan.ids, comm.broadcast_object(), comm)
         else:
             runner.forward(runner.prepare(plan.chunks), plan.capture)
 

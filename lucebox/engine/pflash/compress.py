@@ -9,8 +9,10 @@ target. Either way `PFlashResult.text` is the compressed prompt as text.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +27,7 @@ from lucebox.errors import LuceboxError
 log = logging.getLogger(__name__)
 
 Range = tuple[int, int]  # [start, end) in scorer tokens
+Importance = Callable[[list[int], PFlashConfig], torch.Tensor]  # (scorer ids, config) -> one score per token
 
 
 @dataclass
@@ -75,18 +78,22 @@ class PFlash:
     tokenized without adding BOS, as PromptBuilder.render_ids does).
     """
 
-    def __init__(self, target_tokenizer: Tokenizer, scorer: LoadedModel, config: PFlashConfig | None = None) -> None:
+    def __init__(self, target_tokenizer: Tokenizer, scorer: LoadedModel, config: PFlashConfig | None = None,
+                 importance: Importance | None = None) -> None:
         self.config = config or PFlashConfig()
         self.config.validate()
         self.target_tokenizer = target_tokenizer
         self.scorer = scorer
         self.shared_tokenizer = same_tokenizer(target_tokenizer, scorer.tokenizer)
+        self.importance = importance or functools.partial(token_importance, scorer.model)
 
     @classmethod
     def for_model(cls, target: LoadedModel, scorer: LoadedModel | None = None,
-                  config: PFlashConfig | None = None) -> PFlash:
-        """PFlash for `target`, scored by `scorer` (default: the target itself)."""
-        return cls(target.tokenizer, scorer or target, config)
+                  config: PFlashConfig | None = None, importance: Importance | None = None) -> PFlash:
+        """PFlash for `target`, scored by `scorer` (default: the target itself). `importance` runs the
+        scorer's forward where it is not `token_importance` on the scorer's model in this process: a target
+        split over ranks scores on all of them (LLMEngine.token_importance)."""
+        return cls(target.tokenizer, scorer or target, config, importance)
 
     def compress(self, prompt: str, query: str | None = None, keep_ratio: float | None = None) -> PFlashResult:
         """Score `prompt` and keep its best chunks; `query` is the last user message (survival check)."""
@@ -100,7 +107,7 @@ class PFlash:
         start = time.perf_counter()
         enc = self.scorer.tokenizer.hf.encode_batch([prompt], add_special_tokens=False)[0]
         ids, offsets = list(enc.ids), [tuple(o) for o in enc.offsets]
-        scores = token_importance(self.scorer.model, ids, self.config)
+        scores = self.importance(ids, self.config)
         if scores.is_cuda:  # the scorer's own stream (PFlashService), not the device: decode steps run meanwhile
             torch.cuda.current_stream(scores.device).synchronize()
         return ScoredPrompt(prompt, ids, offsets, scores.float().cpu(), time.perf_counter() - start)

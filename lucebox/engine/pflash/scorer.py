@@ -14,11 +14,16 @@ S keys:
 The last layer's attention output and MLP feed nothing and are skipped.
 Sliding-window layers (Gemma 3) attend to their window in the forward, as the
 model does; their scores, like every layer's, look at all S keys.
+
+Under tensor parallelism (engine/parallel) every rank runs this forward on its
+shard and sees only its query heads: `rank_max` takes its max over its heads
+and layers to the max over every rank's. A max is exact in any order, so that
+one exchange at the end gives the one-rank scores.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -45,18 +50,24 @@ def tail_attention(q_tail: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill_(future, float("-inf")).softmax(-1).amax(0)
 
 
+RankMax = Callable[[torch.Tensor], torch.Tensor]  # a tensor -> its elementwise max over the ranks
+
+
 @torch.inference_mode()
-def token_importance(model: nn.Module, ids: list[int] | torch.Tensor, cfg: PFlashConfig) -> torch.Tensor:
+def token_importance(model: nn.Module, ids: list[int] | torch.Tensor, cfg: PFlashConfig,
+                     rank_max: RankMax | None = None) -> torch.Tensor:
     """One importance score per prompt token, [S] fp32 on the model's device (see the module docstring)."""
-    return score_prompt(model, ids, cfg)[0]
+    return score_prompt(model, ids, cfg, rank_max=rank_max)[0]
 
 
 @torch.inference_mode()
 def score_prompt(model: nn.Module, ids: list[int] | torch.Tensor, cfg: PFlashConfig,
-                 capture: Sequence[int] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
+                 capture: Sequence[int] = (), rank_max: RankMax | None = None
+                 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """(token_importance's scores, the outputs of the layers in `capture`): the scorer's forward is the
     target's blocks (DecoderBlock's own projections, norms and MLP), only its attention and loop are its own.
-    The last layer's output is never computed (nothing reads it), so it cannot be captured."""
+    The last layer's output is never computed (nothing reads it), so it cannot be captured. `rank_max`: a
+    sharded model's (module docstring)."""
     device = model.output_norm.weight.device  # a norm is always dense (token_embd may be quantized)
     x = torch.as_tensor(ids, device=device, dtype=torch.long).flatten()
     S = x.numel()
@@ -85,4 +96,6 @@ def score_prompt(model: nn.Module, ids: list[int] | torch.Tensor, cfg: PFlashCon
         if i in capture:
             captured.append(h)
     assert running is not None
+    if rank_max is not None:
+        running = rank_max(running)
     return running.mean(0), captured

@@ -28,7 +28,8 @@ loop, never the engine thread). On CUDA every scorer pass (unparking included)
 is queued on the service's own stream and waits only for that stream, so the
 engine thread keeps stepping the running requests on its stream meanwhile; the
 request being scored is not submitted to the engine until its compression is
-done.
+done. Under tensor parallelism the target as its own scorer runs on every rank
+between two of the engine's steps (engine/parallel/plan.py), which wait for it.
 """
 
 from __future__ import annotations

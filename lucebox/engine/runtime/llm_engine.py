@@ -795,6 +795,13 @@ class LLMEngine:
         finally:
             self.abort(seq)
 
+    def token_importance(self, ids: list[int], cfg: Any) -> torch.Tensor:
+        """PFlash's scores of a prompt with this engine's model as its own scorer (pflash/scorer.py; a
+        tensor-parallel engine runs it on every rank's shard)."""
+        from lucebox.engine.pflash.scorer import token_importance
+
+        return token_importance(self.loaded.model, ids, cfg)
+
     @torch.inference_mode()
     def score(self, token_ids: list[int]) -> torch.Tensor:
         """Logits [len, vocab] (fp32) at every position of one prompt, for parity tests."""

@@ -4,6 +4,13 @@ moved to the device, then an LLMEngine over it.
 
 The decode step is not one CUDA graph here: which experts are resident is decided on the host every layer,
 so the engine runs with CUDA graphs off (the eager path, as on the CPU).
+
+Under tensor parallelism (engine/parallel) each rank holds experts [r E/N, (r+1) E/N) of every MoE layer and
+places those alone, from the same profile, on its own device: the budget stays the whole model's (as a
+profile's is, and as at -tp 1), and each rank takes its experts' share of it, 1/N (a percentage is then that
+percentage of each rank's experts). A rank's hot set is its own experts with the most calibration pairs;
+the union over ranks can differ from one device's placement, since a rank cannot lend another its memory.
+`Spark` (/props, /metrics) is rank 0's: its experts, its share of the budget, its counters.
 """
 
 from __future__ import annotations
@@ -90,8 +97,10 @@ def place_experts(loaded: Any, device: torch.device, cfg: SparkConfig, quiet: bo
     model = loaded.model
     layers = moe_layers(model)
     sizes = {i: expert_bytes(m) for i, m in layers.items()}
-    n_experts = next(iter(layers.values())).n_experts
-    total = n_experts * sum(sizes.values())
+    first = next(iter(layers.values()))
+    n_experts, held = first.n_experts, first.held  # held: this rank's experts (all of them on one device)
+    per_expert = sum(sizes.values())  # one expert of every MoE layer
+    total = len(held) * per_expert
     doc = None
     if cfg.profile is not None and cfg.placement != "uniform":
         doc = read_profile(cfg.profile)
@@ -99,21 +108,22 @@ def place_experts(loaded: Any, device: torch.device, cfg: SparkConfig, quiet: bo
             log.warning("%s", warning)
     budget = Budget.parse(cfg.budget if cfg.budget is not None else
                           (doc["placement"]["budget"] if doc is not None else "100%"))
-    budget_bytes = min(budget.bytes(total), total)
+    budget_bytes = min(budget.bytes(n_experts * per_expert) * len(held) // n_experts, total)  # this rank's share
     ring = cfg.ring
     if ring is not None and cfg.ring_fit:
-        ring = min(ring, budget_bytes // sum(sizes.values()))
+        ring = min(ring, budget_bytes // per_expert)
     if ring is None:
-        ring = min(32, n_experts // 8)
-        while ring and ring * sum(sizes.values()) > budget_bytes // 2:
+        ring = min(32, len(held) // 8)
+        while ring and ring * per_expert > budget_bytes // 2:
             ring -= 1
     left = placement.hot_budget(budget_bytes, sizes, ring)
-    if doc is not None:
-        hot = placement.calibrated(doc["counts"], sizes, left)
+    if doc is not None:  # placed by this rank's experts' counts, numbered from 0 ...
+        local = placement.calibrated(_held_counts(doc["counts"], held), sizes, left)
         kind = "calibrated"
     else:
-        hot = placement.uniform(n_experts, sizes, left)
+        local = placement.uniform(len(held), sizes, left)
         kind = "uniform"
+    hot = {i: [held.start + e for e in v] for i, v in local.items()}  # ... then by their ids in the model
     stats = SparkStats()
     stream = torch.cuda.Stream(device) if device.type == "cuda" else None
     rule = OffloadRule(cfg.cpu_rows or 0, cfg.promote_after)
@@ -127,24 +137,38 @@ def place_experts(loaded: Any, device: torch.device, cfg: SparkConfig, quiet: bo
     n_hot = sum(len(v) for v in hot.values())
     info = {"placement": kind, "profile": str(cfg.profile) if doc is not None else None,
             "budget": str(budget), "budget_bytes": budget_bytes, "expert_bytes_total": total,
-            "hot_experts": n_hot, "experts": n_experts * len(layers), "ring_slots_per_layer": ring,
-            "predicted_cold_hit_rate": (placement.cold_hit_rate(doc["heldout_counts"] or doc["counts"], hot)
-                                        if doc is not None else None)}
+            "hot_experts": n_hot, "experts": len(held) * len(layers), "held_experts": [held.start, held.stop],
+            "ring_slots_per_layer": ring,
+            "predicted_cold_hit_rate": (placement.cold_hit_rate(
+                _held_counts(doc["heldout_counts"] or doc["counts"], held), local) if doc is not None else None)}
     if not quiet:
-        log.info("spark: %s placement, %d of %d experts on %s (%.2f of %.2f GB budget, ring %d per layer), "
-                 "cold on the host; CPU rule: cold experts of <= %d rows on the CPU", kind, n_hot,
-                 n_experts * len(layers), device, budget_bytes / GB, total / GB, ring, rule.cpu_rows)
+        log.info("spark: %s placement, %d of %d experts (ids %d-%d of each layer) on %s (%.2f of %.2f GB budget, "
+                 "ring %d per layer), cold on the host; CPU rule: cold experts of <= %d rows on the CPU", kind,
+                 n_hot, len(held) * len(layers), held.start, held.stop - 1, device, budget_bytes / GB, total / GB,
+                 ring, rule.cpu_rows)
     return Spark(offloads, stats, rule, info)
 
 
+def _held_counts(counts: dict[int, list[int]], held: range) -> dict[int, list[int]]:
+    """A profile's counts of the experts `held` only, numbered from 0."""
+    return {layer: row[held.start:held.stop] for layer, row in counts.items()}
+
+
 def spark_engine(path: Path, config: Any, cfg: SparkConfig, quiet: bool = False) -> tuple[Any, Spark]:
-    """An LLMEngine (lucebox.engine.runtime.llm_engine) over the model at `path` with its experts placed."""
+    """An LLMEngine (lucebox.engine.runtime.llm_engine) over the model at `path` with its experts placed
+    (under --tensor-parallel, rank 0's engine, every rank's experts placed by its own rank)."""
     from lucebox.engine.runtime.llm_engine import WEIGHTS, LLMEngine
     from lucebox.engine.weights.loader import load_model
 
     device = config.resolve_device()
     if config.weights not in WEIGHTS:
         raise LuceboxError(f"--weights is {config.weights}; choose from {', '.join(WEIGHTS)}")
+    if config.tensor_parallel > 1:
+        from lucebox.engine.parallel.worker import tensor_parallel_engine
+
+        engine = tensor_parallel_engine(Path(path), config, quiet, spark=cfg)
+        assert engine.spark is not None
+        return engine, engine.spark
     if config.gpu_memory is not None and device.type == "cuda":
         from lucebox.engine.runtime.memory_plan import apply_cap
 

@@ -102,13 +102,19 @@ class _Projection:
 
 class LayerOffload:
     """One MoE layer's experts: `hot` resident in device slots, `ring_slots` spare device slots (LRU), the
-    rest in host memory. Takes the experts out of the layer's stacked Linears (left with 0 rows)."""
+    rest in host memory. Takes the experts out of the layer's stacked Linears (left with 0 rows).
+
+    Under tensor parallelism the layer holds only its rank's experts (`moe.held`, engine/parallel/shard.py):
+    those are the ones placed, and another rank's routed pairs are left out here (that rank adds them in the
+    MoE's all-reduce), so the counters are this rank's."""
 
     def __init__(self, moe: MoE, hot: list[int], ring_slots: int, device: torch.device, rule: OffloadRule,
                  stats: SparkStats, copy_stream: Any = None) -> None:
         self.moe, self.device, self.rule, self.stats, self.copy_stream = moe, device, rule, stats, copy_stream
         self.hot = sorted(set(hot))
-        self.cold = [e for e in range(moe.n_experts) if e not in set(self.hot)]
+        if not set(self.hot) <= set(moe.held):
+            raise ValueError(f"hot experts {self.hot} are not all among the layer's experts {moe.held}")
+        self.cold = [e for e in moe.held if e not in set(self.hot)]
         lins = (moe.ffn_gate_exps, moe.ffn_up_exps, moe.ffn_down_exps)
         self.proj = [_Projection(lin, rows) for lin, rows in zip(lins, (moe.ff, moe.ff, moe.hidden))]
         n_slots = len(self.hot) + ring_slots
@@ -117,12 +123,12 @@ class LayerOffload:
                       for p in self.proj]
         self.host = [torch.empty(len(self.cold) * p.rows, p.src.shape[1], dtype=p.src.dtype, pin_memory=pin)
                      for p in self.proj]
+        lo = moe.held.start  # the stacked weights' first expert
         for p, slots, host in zip(self.proj, self.slots, self.host):
             src = p.src.cpu()
-            for i, e in enumerate(self.hot):
-                slots[i * p.rows:(i + 1) * p.rows].copy_(src[e * p.rows:(e + 1) * p.rows])
-            for i, e in enumerate(self.cold):
-                host[i * p.rows:(i + 1) * p.rows].copy_(src[e * p.rows:(e + 1) * p.rows])
+            for store, experts in ((slots, self.hot), (host, self.cold)):
+                for i, e in enumerate(experts):
+                    store[i * p.rows:(i + 1) * p.rows].copy_(src[(e - lo) * p.rows:(e - lo + 1) * p.rows])
         self.hot_slot = {e: i for i, e in enumerate(self.hot)}
         self.host_index = {e: i for i, e in enumerate(self.cold)}
         self.ring: OrderedDict[int, int] = OrderedDict()  # expert -> slot, least recently used first
@@ -176,9 +182,9 @@ class LayerOffload:
         counts = torch.bincount(flat, minlength=moe.n_experts).tolist()  # the one host sync
         segs, start = {}, 0
         for e, n in enumerate(counts):
-            if n:
+            if n and e in moe.held:  # another rank's expert: that rank adds its rows
                 segs[e] = slice(start, start + n)
-                start += n
+            start += n
         resident, copied, on_cpu = [], [], []
         stats = self.stats  # written by the engine thread only; /metrics reads plain ints
         for e, seg in segs.items():
