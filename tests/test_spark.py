@@ -261,6 +261,9 @@ def test_hostile_inputs_are_one_line_and_exit_2(tiny_gguf, qwen35moe_gguf, tmp_p
     assert "no MoE layers" in capsys.readouterr().err.strip().splitlines()[-1]
     assert calibrate(path, tmp_path / "no" / "q.json", write_traffic(tmp_path)) == 2
     assert "no folder" in capsys.readouterr().err.strip().splitlines()[-1]
+    # the simulated skew biases the routers of one process: refused before any rank starts
+    assert calibrate(path, tmp_path / "q.json", write_traffic(tmp_path), "--router-skew", "zipf:1", "-tp", "2") == 2
+    assert "cannot run with --tensor-parallel" in capsys.readouterr().err.strip().splitlines()[-1]
 
 
 def test_props_and_metrics_show_the_offload(tiny_gguf) -> None:

@@ -136,7 +136,7 @@ def main(args: argparse.Namespace) -> int:
     from lucebox.data import data_dir
     from lucebox.fetch import resolve_model
 
-    skew = parse_skew(args.router_skew)
+    skew = parse_skew(args.router_skew, getattr(args, "tensor_parallel", None))
     budgets = [Budget.parse(b) for b in args.budgets.split(",") if b.strip()]
     if not budgets:
         raise LuceboxError("--budgets needs at least one budget")

@@ -55,7 +55,7 @@ def main(args: argparse.Namespace) -> int:
     if args.heldout_every == 1:
         raise LuceboxError("--heldout-every 1 would hold out everything: give 0 (none) or N >= 2")
     budget = Budget.parse(args.expert_gpu_budget)
-    skew = parse_skew(args.router_skew)
+    skew = parse_skew(args.router_skew, getattr(args, "tensor_parallel", None))
     files = [read_traffic(p) for p in args.traffic]  # bad files fail before the model loads
     if not args.out.parent.is_dir():
         raise LuceboxError(f"--out {args.out}: no folder {args.out.parent}")

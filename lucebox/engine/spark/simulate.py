@@ -18,13 +18,16 @@ from lucebox.engine.spark.profile import moe_layers
 from lucebox.errors import LuceboxError
 
 
-def parse_skew(text: str | None) -> float | None:
-    """`zipf:S` (S > 0) -> S; None or `none` -> None."""
+def parse_skew(text: str | None, tensor_parallel: int | None = 1) -> float | None:
+    """`zipf:S` (S > 0) -> S; None or `none` -> None. Refused with `tensor_parallel` > 1: the bias is given to
+    rank 0's routers in its process, and the other ranks would route without it."""
     if text is None or text == "none":
         return None
     m = re.fullmatch(r"zipf:([0-9]*\.?[0-9]+)", text.strip())
     if not m or float(m.group(1)) <= 0:
         raise LuceboxError(f"--router-skew must be zipf:S with S > 0 (e.g. zipf:1.2), or none; got {text!r}")
+    if (tensor_parallel or 1) > 1:
+        raise LuceboxError("--router-skew is a single-process simulation: it cannot run with --tensor-parallel")
     return float(m.group(1))
 
 
