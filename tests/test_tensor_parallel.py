@@ -2,8 +2,10 @@
 
 The test process is rank 0 (one group for the module, a spawned rank 1); each architecture's greedy tokens
 and top-3 logprobs at 2 ranks equal one rank's (the logprobs to float rounding: the all-reduce sums the
-heads' partial products in another order), with PFlash (the target scoring on both ranks) and Spark offload
-(each rank placing its own experts) too. A killed rank makes its peer exit non-zero within seconds.
+heads' partial products in another order). The hybrids (qwen35, qwen35moe) too, where rank 1's recurrent
+states must follow rank 0's plan: a prefix-cache hit (its state from a RAM or disk snapshot of both ranks'
+heads), speculation (each verification's accepted row). PFlash (the target scoring on both ranks) and Spark
+offload (each rank placing its own experts) too. A killed rank makes its peer exit non-zero within seconds.
 """
 
 from __future__ import annotations
@@ -28,11 +30,12 @@ from lucebox.engine.parallel.group import FATAL_EXIT, PLAN_WORDS
 from lucebox.engine.parallel.worker import TPGroup
 from lucebox.engine.pflash import PFlashConfig
 from lucebox.engine.runtime.llm_engine import EngineConfig, LLMEngine
+from lucebox.engine.runtime.recurrent_state import RecurrentStates
 from lucebox.engine.runtime.sampler import SamplingParams
 from lucebox.engine.spec.drafter import DFlashDrafter, drafter_config_for, save_drafter
 from lucebox.engine.weights.loader import read_model_config
 from lucebox.errors import LuceboxError
-from tests.fixtures.tiny_models import ARCHS, MOE_ARCHS, write_tiny_laguna_hf, write_tiny_qwen35_hf
+from tests.fixtures.tiny_models import ARCHS, MOE_ARCHS, write_tiny_laguna_hf, write_tiny_qwen35_gguf
 
 PROMPTS = [[1, 5, 9, 22, 7, 3, 11, 40, 41, 2, 8, 9, 100, 3, 5, 7, 9, 11, 13, 15], [4, 8, 15, 16, 23, 42]]
 GREEDY = SamplingParams(max_tokens=6, logprobs=3)
@@ -73,14 +76,26 @@ def group():
         TPGroup.current.close()
 
 
-@pytest.mark.parametrize("arch", ARCHS + MOE_ARCHS)
-def test_two_ranks_give_one_ranks_tokens(group, tiny_gguf, arch):
-    path = tiny_gguf(arch)
+@pytest.fixture(scope="module")
+def model(tiny_gguf, tmp_path_factory):
+    """arch -> its tiny F32 GGUF: tiny_gguf's, or a hybrid's (qwen35, qwen35moe), written once here."""
+    root = tmp_path_factory.mktemp("hybrid")
+    hybrids = {"qwen35": write_tiny_qwen35_gguf(root / "dense.gguf"),
+               "qwen35moe": write_tiny_qwen35_gguf(root / "moe.gguf", moe=True)}
+    return lambda arch: hybrids[arch] if arch in hybrids else tiny_gguf(arch)
+
+
+@pytest.mark.parametrize("arch", ARCHS + MOE_ARCHS + ("qwen35", "qwen35moe"))
+def test_two_ranks_give_one_ranks_tokens(group, model, arch):
+    path = model(arch)
     one, two = run(engine(path), PROMPTS), run(engine(path, tp=2), PROMPTS)
     assert_same(one, two)
     full, shard = read_model_config(path), group.active
     assert shard.model_config.num_heads * 2 == full.num_heads
     assert shard.kv.data.shape[3] == max(full.num_kv_heads // 2, 1)  # this rank's K/V heads (or the one shared)
+    if full.is_hybrid:  # DeltaNet layers by q/k head: this rank's state slots hold half the channels and heads
+        conv, ssm = RecurrentStates.slot_shapes(full)
+        assert shard.kv.states.shapes() == (conv[:1] + (conv[1] // 2,) + conv[2:], ssm[:1] + (ssm[1] // 2,) + ssm[2:])
 
 
 def test_laguna_per_layer_heads_and_output_gate(group, tmp_path):
@@ -90,9 +105,10 @@ def test_laguna_per_layer_heads_and_output_gate(group, tmp_path):
     assert [b.num_heads * 2 for b in group.active.loaded.model.blk] == full.heads_per_layer
 
 
-def test_hybrid_models_are_refused(tmp_path):
-    with pytest.raises(LuceboxError, match="hybrid architecture"):
-        engine(write_tiny_qwen35_hf(tmp_path / "qwen35"), tp=2)
+def test_a_hybrid_whose_key_heads_do_not_split_is_refused(tmp_path):
+    path = write_tiny_qwen35_gguf(tmp_path / "one_key.gguf", linear_num_key_heads=1, linear_num_value_heads=2)
+    with pytest.raises(LuceboxError, match="1 key heads"):
+        engine(path, tp=2)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3moe"])
@@ -140,8 +156,11 @@ def test_a_prefix_cache_hit_under_two_ranks(group, tiny_gguf):
     assert_same(cold, warm)
 
 
-def test_dflash_chain_under_two_ranks_equals_plain(group, tiny_gguf, tmp_path):
-    target = tiny_gguf("qwen3")
+@pytest.mark.parametrize("arch", ["qwen3", "qwen35"])
+def test_dflash_chain_under_two_ranks_equals_plain(group, model, tmp_path, arch):
+    """A hybrid's verifications (a random drafter: nearly every draft rejected) keep every row's state on every
+    rank, and the next plan tells rank 1 which row rank 0 accepted."""
+    target = model(arch)
     cfg = read_model_config(target)
     dcfg = drafter_config_for(cfg, layers=1, block_size=4, mask_token_id=cfg.vocab_size - 1)
     save_drafter(DFlashDrafter.random(dcfg, seed=0, std=0.2), tmp_path / "d")
@@ -156,10 +175,12 @@ def test_dflash_chain_under_two_ranks_equals_plain(group, tiny_gguf, tmp_path):
 SNAPSHOTS = CacheConfig(gpu=False, prefix_slots=0, exact_slots=2, min_tokens=16, disk_min_tokens=16)
 
 
-def test_a_ram_snapshot_hit_under_two_ranks(group, tiny_gguf):
-    """The device tier off: the hit is a RAM snapshot of both ranks' K/V heads, restored into blocks no
-    request used before (zeros on rank 1 unless its heads come back)."""
-    path = tiny_gguf("qwen2")  # 2 K/V heads: one a rank
+@pytest.mark.parametrize("arch", ["qwen2", "qwen35moe"])
+def test_a_ram_snapshot_hit_under_two_ranks(group, model, arch):
+    """The device tier off: the hit is a RAM snapshot of both ranks' K/V heads (and a hybrid's recurrent
+    states, gathered right after the prefill step that captured them), restored into blocks no request used
+    before (zeros on rank 1 unless its heads come back) and a state slot another request used last."""
+    path = model(arch)  # qwen2: 2 K/V heads, one a rank
     prompt = PROMPTS[0] * 2
     other = [(3 * i) % 300 + 2 for i in range(len(prompt))]
     cold = run(engine(path), [prompt])
@@ -169,19 +190,25 @@ def test_a_ram_snapshot_hit_under_two_ranks(group, tiny_gguf):
     run(eng, [other])
     warm = run(eng, [prompt])
     assert warm[0][2] == len(prompt) - 1 and eng.cache.counters["exact"].restored_tokens == len(prompt) - 1
-    assert eng.cache.exact.get(token_key(prompt)).kv.shape[3] == read_model_config(path).num_kv_heads
+    full, snap = read_model_config(path), eng.cache.exact.get(token_key(prompt))
+    assert snap.kv.shape[3] == full.num_kv_heads
+    if full.is_hybrid:
+        assert (snap.conv.shape, snap.ssm.shape) == RecurrentStates.slot_shapes(full)
     assert_same(cold, warm)
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "gemma3"])  # 2 K/V heads (one a rank), 1 (replicated on both)
-def test_a_disk_snapshot_after_a_restart_and_at_another_rank_count(group, tiny_gguf, tmp_path, arch):
-    """A disk entry written under -tp 2 holds every K/V head in one rank's layout: a restarted -tp 2
-    engine (fresh KV on both ranks) restores it, and so does a -tp 1 one (the same layout id)."""
-    path = tiny_gguf(arch)
+@pytest.mark.parametrize(("arch", "order"), [("qwen3", (2, 2, 1)), ("gemma3", (2, 2, 1)), ("qwen35", (2, 1)),
+                                             ("qwen35", (1, 2))],
+                         ids=["qwen3", "gemma3", "qwen35-tp2-then-tp1", "qwen35-tp1-then-tp2"])
+def test_a_disk_snapshot_after_a_restart_and_at_another_rank_count(group, model, tmp_path, arch, order):
+    """A disk entry written under -tp 2 holds every K/V head (and a hybrid's every state head) in one rank's
+    layout: a restarted -tp 2 engine (fresh KV on both ranks) restores it, and so does a -tp 1 one (the same
+    layout id), and the other way round. qwen3: 2 K/V heads (one a rank); gemma3: 1 (replicated on both)."""
+    path = model(arch)
     prompt = PROMPTS[0] * 2
     cfg = dataclasses.replace(SNAPSHOTS, disk_dir=tmp_path)
     cold = run(engine(path), [prompt])
-    for restart, tp in enumerate((2, 2, 1)):
+    for restart, tp in enumerate(order):
         eng = engine(path, tp=tp)
         eng.enable_prefix_cache(cfg)
         out = run(eng, [prompt])
@@ -193,11 +220,13 @@ def test_a_disk_snapshot_after_a_restart_and_at_another_rank_count(group, tiny_g
         assert_same(cold, out)
 
 
-def test_ddtree_under_two_ranks_moves_every_ranks_kv(group, tiny_gguf, tmp_path, monkeypatch):
+@pytest.mark.parametrize("arch", ["llama", "qwen35"])
+def test_ddtree_under_two_ranks_moves_every_ranks_kv(group, model, tmp_path, monkeypatch, arch):
     """DDTree with a drafter that ranks the target's next token second at depth 1 and first below: each
     verification accepts a path off the top-1 chain, whose K/V rows rank 0 moves (and rank 1 with the
-    next plan); the tokens stay plain decoding's."""
-    target = tiny_gguf("llama")
+    next plan), and on a hybrid whose last node's state becomes the slot's on both ranks; the tokens stay
+    plain decoding's."""
+    target = model(arch)
     cfg = read_model_config(target)
     dcfg = drafter_config_for(cfg, layers=1, block_size=4, mask_token_id=cfg.vocab_size - 1)
     save_drafter(DFlashDrafter.random(dcfg, seed=0, std=0.2), tmp_path / "d")

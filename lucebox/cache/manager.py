@@ -166,7 +166,7 @@ class PrefixCache:
         # Size classes waste up to 1/8 of a buffer: the pool's bound leaves that over both RAM budgets.
         budget = cfg.ram_bytes * (int(prefix_on) + int(bool(cfg.exact_slots)))
         self.host = HostBufferPool(budget + budget // 8, kv.data.device)
-        self.states = StateSnapshots(kv.states, self.host) if kv.states is not None else None
+        self.states = StateSnapshots(self.target.states, self.host) if self.target.states is not None else None
         self.prefix = SnapshotPool(cfg.prefix_slots, "prefix", max_bytes=cfg.ram_bytes, host=self.host) \
             if prefix_on else None
         self.exact = SnapshotPool(cfg.exact_slots, "exact", max_bytes=cfg.ram_bytes, host=self.host) \

@@ -27,12 +27,16 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from lucebox.cache.host_pool import HostBuffer, HostBufferPool
 from lucebox.engine.runtime.kv_cache import KVCache
+
+if TYPE_CHECKING:  # state_snapshots imports this module
+    from lucebox.cache.state_snapshots import StateSlots
 
 KINDS = ("prefix", "exact")
 
@@ -213,14 +217,16 @@ def scatter_kv(kv: KVCache, block_table: Sequence[int], snapshot_kv: torch.Tenso
 
 class LocalKV:
     """The target KV a snapshot is copied from and restored into: this process's KV cache, which holds every
-    K/V head. Under tensor parallelism each rank holds some heads: engine/parallel's ShardedKV (same calls)
-    gathers every rank's into one snapshot of all heads and hands each rank its own back."""
+    K/V head (and a hybrid's recurrent states, `states`). Under tensor parallelism each rank holds some heads:
+    engine/parallel's ShardedKV (same calls) gathers every rank's into one snapshot of all heads and hands
+    each rank its own back (its `states` likewise)."""
 
     asynchronous: bool  # copies may start on the copier thread (CUDA); else they run where they are called
 
     def __init__(self, kv: KVCache) -> None:
         self.kv = kv
         self.asynchronous = kv.data.device.type == "cuda"
+        self.states: StateSlots | None = kv.states  # a hybrid's recurrent states, which its snapshots hold too
 
     @property
     def kv_heads(self) -> int:

@@ -20,19 +20,33 @@ snapshot the rest of the KV and the state.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Protocol
 
 import torch
 
 from lucebox.cache.host_pool import HostBuffer, HostBufferPool
 from lucebox.cache.snapshots import aligned
-from lucebox.engine.runtime.recurrent_state import RecurrentStates, StateCapture
+from lucebox.engine.runtime.recurrent_state import StateCapture
 from lucebox.engine.runtime.sequence import Sequence
+
+
+class StateSlots(Protocol):
+    """The state slots a snapshot is captured from and restored into: RecurrentStates, or under tensor
+    parallelism rank 0's view of every rank's (engine/parallel's ShardedStates, the same calls)."""
+
+    def shapes(self) -> tuple[torch.Size, torch.Size]: ...
+
+    def plan(self, slot: int, capture: StateCapture) -> None: ...
+
+    def take_captures(self, slot: int) -> list[StateCapture]: ...
+
+    def write_slot(self, slot: int, conv: torch.Tensor, ssm: torch.Tensor) -> None: ...
 
 
 class StateSnapshots:
     """Captures and restores of a hybrid model's per-sequence states for the prefix cache."""
 
-    def __init__(self, states: RecurrentStates, host: HostBufferPool) -> None:
+    def __init__(self, states: StateSlots, host: HostBufferPool) -> None:
         self.states = states
         self.host = host
         self.shapes = states.shapes()

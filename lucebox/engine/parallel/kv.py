@@ -1,13 +1,19 @@
-"""Rank 0 changes to the KV cache outside a forward that every rank must make too, on its own K/V heads.
+"""Rank 0 changes to the KV cache and to a hybrid's recurrent states outside a forward (or, for the prefix
+cache's state captures, inside one) that every rank must make too, on its own K/V heads and state heads.
 
 - Prefix-cache snapshots (RAM and disk tiers): rank 0's cache decides what is saved and restored (it owns the
   scheduler and the index); `ShardedKV` sends the op in a plan (which blocks, which positions), then gathers
   every rank's K/V heads into one snapshot of all the model's heads (a save) or hands each rank its heads of
   one (a restore). A snapshot therefore has the layout one rank's would, and its disk layout id is the
   same at any --tensor-parallel: a disk entry written under -tp 2 restores under -tp 1 or 4 and back.
-- DDTree: accepting a tree path moves the accepted rows' K/V to consecutive slots (SpecDecoder.accept).
-  `LeaderSpec` keeps rank 0's moves, and the next plan carries them: the other ranks make them before
-  that plan's op, which is the first thing to read those rows again.
+- A hybrid's states in those snapshots (`ShardedStates`, the same way): the cache plans a capture of the state
+  at a position; the step that reaches it names it in its plan, every rank's forward captures its own
+  channels and heads there, and right after the step rank 0 gathers them into the one capture in the whole
+  model's layout. A restore hands each rank its channels and heads of it (a LOAD_STATE plan).
+- Speculation: accepting a DDTree path moves the accepted rows' K/V to consecutive slots, and on a hybrid the
+  accepted row's state becomes the slot's (SpecDecoder.accept). `LeaderSpec` keeps rank 0's moves and
+  accepts, and the next plan carries them: the other ranks make them before that plan's op, which is the
+  first thing to read those rows or states again.
 
 Everything goes through the plan group in rank 0's engine-thread order, so the ops are synchronous under
 tensor parallelism (no copier thread): a snapshot's copy is done when the commit that started it returns.
@@ -16,25 +22,30 @@ tensor parallelism (no copier thread): a snapshot's copy is done when the commit
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from lucebox.cache.snapshots import KVCopy, LocalKV, gather_kv, snapshot_shape
-from lucebox.engine.parallel.group import fatal
-from lucebox.engine.parallel.plan import PlanSender, encode_load, encode_save
-from lucebox.engine.parallel.shard import kv_heads_of
+from lucebox.engine.models.config import ModelConfig
+from lucebox.engine.parallel.group import Comm, fatal
+from lucebox.engine.parallel.plan import PlanSender, SpecChanges, encode_load, encode_load_state, encode_save
+from lucebox.engine.parallel.shard import kv_heads_of, linear_heads_of
 from lucebox.engine.runtime.kv_cache import KVCache
+from lucebox.engine.runtime.recurrent_state import RecurrentStates, StateCapture, StateRows
 from lucebox.engine.runtime.sequence import Chunk
+from lucebox.engine.runtime.sequence import Sequence as Seq
 from lucebox.engine.spec.dflash import SpecDecoder
 
 
 class ShardedKV(LocalKV):
     """The prefix cache's snapshots on rank 0 of a group: every rank's K/V heads, in the model's head order."""
 
-    def __init__(self, kv: KVCache, sender: PlanSender, kv_heads: int) -> None:
+    def __init__(self, kv: KVCache, sender: PlanSender, kv_heads: int, states: ShardedStates | None) -> None:
         super().__init__(kv)
         self.asynchronous = False  # ordered with the plans, on the engine thread
+        self.states = states
         self.sender = sender
         self.comm = sender.comm
         self.heads = kv_heads
@@ -114,14 +125,122 @@ def move_rows(kv: KVCache, src: list[int], dst: list[int]) -> None:
         kv.data[:, :, torch.tensor(dst, device=dev)] = kv.data[:, :, torch.tensor(src, device=dev)]
 
 
+@dataclass(eq=False)
+class PartCapture(StateCapture):
+    """Rank 0's part of a capture of every rank's state (`whole`, the prefix cache's): rank 0's forward fills
+    this one like any capture, and `ShardedStates.gather` then fills `whole` from every rank's part."""
+
+    whole: StateCapture | None = None
+
+
+class ShardedStates:
+    """A hybrid's recurrent states as the prefix cache sees them on rank 0 (StateSnapshots' calls): every rank's
+    channels and heads in the whole model's layout (`RecurrentStates.slot_shapes` of the unsharded config), so
+    a snapshot's state is the same at any --tensor-parallel, as its K/V is."""
+
+    def __init__(self, states: RecurrentStates, sender: PlanSender, full: ModelConfig) -> None:
+        self.states = states
+        self.sender = sender
+        self.comm = sender.comm
+        self.whole = RecurrentStates.slot_shapes(full)
+        self.parts = [linear_heads_of(r, self.comm.world, full) for r in range(self.comm.world)]
+
+    def shapes(self) -> tuple[torch.Size, torch.Size]:
+        return self.whole
+
+    def plan(self, slot: int, capture: StateCapture) -> None:
+        """Keep every rank's state at `capture.position` in `capture` (whole shapes) when a step reaches it."""
+        self.states.plan(slot, PartCapture(capture.position, *host_states(self.states), capture.release,
+                                           whole=capture))
+
+    def take_captures(self, slot: int) -> list[StateCapture]:
+        return [_whole(c) for c in self.states.take_captures(slot)]
+
+    def gather(self, captures: list[StateCapture]) -> None:
+        """After a step that captured `captures` (rank 0's parts, in the order its plan named them): every
+        rank's part of each into its whole capture."""
+        convs, ssms = gather_captures(self.comm, captures)
+        assert convs is not None and ssms is not None
+        for k, c in enumerate(map(_whole, captures)):
+            for (channels, heads), conv, ssm in zip(self.parts, convs, ssms):
+                c.conv.index_copy_(1, channels, conv[k])
+                c.ssm.index_copy_(1, heads, ssm[k])
+            c.written = True
+
+    def write_slot(self, slot: int, conv: torch.Tensor, ssm: torch.Tensor) -> None:
+        """Set a state slot on every rank to its channels and heads of a snapshot's state (whole shapes)."""
+        with self.sender.turn(encode_load_state(slot)):
+            try:
+                parts = [(conv.index_select(1, channels), ssm.index_select(1, heads))
+                         for channels, heads in self.parts]
+                self.states.write_slot(slot, *scatter_state(self.comm, self.states, parts))
+            except Exception as exc:  # noqa: BLE001 - as in ShardedKV.gather_into
+                fatal(f"rank 0: a state's restore failed after its plan was sent ({type(exc).__name__}: {exc})")
+
+
+def _whole(capture: StateCapture) -> StateCapture:
+    assert isinstance(capture, PartCapture) and capture.whole is not None, "rank 0 plans captures by ShardedStates"
+    return capture.whole
+
+
+def step_captures(rows: StateRows | None) -> list[tuple[int, StateCapture]]:
+    """The state captures a step makes (slot, capture), in the order every rank sends them: its prefill
+    chunks' (a verification chunk captures nothing)."""
+    if rows is None:
+        return []
+    return [(slot, c) for (_, _, _, slot), caps, tree in zip(rows.chunks, rows.captures, rows.trees)
+            if tree is None for _, c in caps]
+
+
+def host_states(states: RecurrentStates) -> tuple[torch.Tensor, torch.Tensor]:
+    """Host tensors for one slot's conv and ssm states of `states` (pinned on CUDA, for the capture's copy)."""
+    pin = states.conv.device.type == "cuda"
+    conv, ssm = states.shapes()
+    return torch.empty(conv, pin_memory=pin), torch.empty(ssm, pin_memory=pin)
+
+
+def capture_states(states: RecurrentStates, wanted: list[tuple[int, int]]) -> list[tuple[int, StateCapture]]:
+    """A follower's captures of a step's plan ((slot, position) pairs, rank 0's order), planned on its slots."""
+    out = [(slot, StateCapture(position, *host_states(states), lambda: None)) for slot, position in wanted]
+    for slot, capture in out:
+        states.plan(slot, capture)
+    return out
+
+
+def send_captures(comm: Comm, states: RecurrentStates, captures: list[tuple[int, StateCapture]]) -> None:
+    """A follower, after the step that filled `captures`: its parts to rank 0, then the captures off its slots."""
+    gather_captures(comm, [c for _, c in captures])
+    for slot, _ in captures:
+        states.take_captures(slot)
+
+
+def gather_captures(comm: Comm, captures: list[StateCapture]) -> tuple[list[torch.Tensor] | None,
+                                                                       list[torch.Tensor] | None]:
+    """Every rank's captured states of a step ([captures, ...] conv and ssm parts, in rank order) on rank 0
+    (None on the others)."""
+    for c in captures:
+        c.wait()
+    return (comm.gather_to_root(torch.stack([c.conv for c in captures])),
+            comm.gather_to_root(torch.stack([c.ssm for c in captures])))
+
+
+def scatter_state(comm: Comm, states: RecurrentStates,
+                  parts: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's (conv, ssm) of a state rank 0 restores (`parts`: every rank's, in rank order, on rank 0)."""
+    conv, ssm = states.shapes()
+    return (comm.scatter_from_root(torch.empty(conv), None if parts is None else [p[0] for p in parts]),
+            comm.scatter_from_root(torch.empty(ssm), None if parts is None else [p[1] for p in parts]))
+
+
 class LeaderSpec(SpecDecoder):
-    """Speculation on rank 0 of a group: as SpecDecoder, keeping the slot moves each accepted DDTree path made
-    on rank 0's KV (a chain's path is in place: none) until the next plan carries them (`take_moves`).
-    The sequences' verification rows lie in their own blocks, so the moves of several are disjoint."""
+    """Speculation on rank 0 of a group: as SpecDecoder, keeping what each acceptance changed on rank 0 (the
+    slot moves of an accepted DDTree path, a chain's being in place; a hybrid's accepted row) until the next
+    plan carries them (`take_changes`). The sequences' verification rows lie in their own blocks and
+    states, so the changes of several are disjoint."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.moves: list[tuple[int, int]] = []
+        self.changes = SpecChanges()
 
     def accept(self, chunk: Chunk, logits: torch.Tensor, features: list[torch.Tensor],
                choose: Callable[[int, list[int]], int]) -> list[int]:
@@ -133,11 +252,14 @@ class LeaderSpec(SpecDecoder):
 
         tokens = super().accept(chunk, logits, features, walked)
         table, p0 = chunk.seq.block_table, chunk.start
-        moves = [(self.target_kv.slot(table, p0 + i), self.target_kv.slot(table, p0 + d))
-                 for d, i in enumerate(path) if i != d]
-        self.moves += moves
+        self.changes.moves += [(self.target_kv.slot(table, p0 + i), self.target_kv.slot(table, p0 + d))
+                               for d, i in enumerate(path) if i != d]
         return tokens
 
-    def take_moves(self) -> list[tuple[int, int]]:
-        moves, self.moves = self.moves, []
-        return moves
+    def accept_state(self, seq: Seq, row: int) -> None:
+        super().accept_state(seq, row)
+        self.changes.accepts.append((seq.state_slot, row))
+
+    def take_changes(self) -> SpecChanges:
+        changes, self.changes = self.changes, SpecChanges()
+        return changes

@@ -4,6 +4,11 @@
   with fewer K/V heads than ranks each rank keeps the one its query heads read, replicated), Laguna's output
   gate by head, and the output projection's columns of those heads (row-parallel: each rank's partial sum,
   then one all-reduce). Each rank's KV cache holds only its K/V heads.
+- Hybrid (qwen35, qwen35moe): a Gated DeltaNet layer by q/k head: rank r keeps q/k heads [r K/N, (r+1) K/N)
+  and the value heads that read them (`linear_heads_of`), with every per-head tensor (attn_qkv and conv rows
+  of those q|k|v channels, the gate, beta and alpha rows, decay rates and dt bias; ssm_out's columns
+  row-parallel); its recurrent states hold only those channels and heads. A gated attention layer as above,
+  its attn_q rows per head being [query | gate].
 - Dense MLP: gate|up rows (column-parallel), down columns (row-parallel, all-reduce).
 - Mixture of experts: split by expert (rank r holds experts [r E/N, (r+1) E/N)), the router replicated; the
   shared expert column/row split like the dense MLP; one all-reduce of routed + shared.
@@ -12,7 +17,7 @@
 
 A quantized weight is split in whole GGUF blocks: a row slice keeps its blocks as they are; a column slice
 (the row-parallel inputs) must fall on block boundaries, else the model is refused with the reason.
-Norms, rotary tables and q/k norms are per head or per hidden channel, hence replicated.
+Norms, rotary tables, q/k norms and the DeltaNet output norm are per head or per channel, hence replicated.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from lucebox.engine.models.config import ModelConfig
 from lucebox.engine.models.decoder import DecoderBlock, DecoderModel
 from lucebox.engine.models.layers import ConcatLinear, Embedding, Linear
 from lucebox.engine.models.moe import MoE
+from lucebox.engine.models.qwen35 import DeltaNetBlock, GatedAttentionBlock
 from lucebox.engine.parallel.group import Comm
 from lucebox.engine.weights.quant import FORMATS, QuantWeight
 from lucebox.errors import LuceboxError
@@ -79,9 +85,6 @@ def gather_vocab(local: torch.Tensor, comm: Comm, per_rank: int, vocab: int) -> 
 
 def check_shardable(cfg: ModelConfig, world: int) -> None:
     """Refuse, with the reason, a model whose heads or widths do not divide over `world` ranks."""
-    if cfg.is_hybrid:
-        raise LuceboxError(f"--tensor-parallel is not supported for the hybrid architecture {cfg.arch} yet "
-                           "(its Gated DeltaNet layers are not sharded)")
     hkv = cfg.num_kv_heads
     for layer in range(cfg.num_layers):
         hq = cfg.layer_heads(layer)
@@ -90,6 +93,9 @@ def check_shardable(cfg: ModelConfig, world: int) -> None:
     if hkv % world and world % hkv:
         raise LuceboxError(f"--tensor-parallel {world}: {hkv} K/V heads neither divide over the ranks nor "
                            "replicate evenly")
+    if cfg.is_hybrid and (cfg.linear_k_heads % world or cfg.linear_v_heads % cfg.linear_k_heads):
+        raise LuceboxError(f"--tensor-parallel {world}: the linear-attention layers' {cfg.linear_k_heads} key heads "
+                           f"(with {cfg.linear_v_heads} value heads) do not split evenly")
     if cfg.n_experts and cfg.n_experts % world:
         raise LuceboxError(f"--tensor-parallel {world}: {cfg.n_experts} experts do not split evenly")
     has_dense = any(not cfg.is_moe(i) for i in range(cfg.num_layers))
@@ -105,14 +111,21 @@ def shard_model(model: DecoderModel, comm: Comm) -> ModelConfig:
     cfg, world = model.cfg, comm.world
     check_shardable(cfg, world)
     for block in model.blk:
-        _shard_block(block, cfg, comm)
+        if isinstance(block, DeltaNetBlock):
+            _shard_deltanet(block, cfg, comm)
+        elif isinstance(block, GatedAttentionBlock):
+            _shard_gated_attention(block, comm)
+        else:
+            _shard_block(block, comm)
+        _shard_ffn(block, comm)
     model.token_embd = _vocab_embedding(model.token_embd, cfg.vocab_size, comm)
     if not cfg.tie_word_embeddings:
         model.output = _vocab_head(model.output, cfg.vocab_size, comm)
     local = dataclasses.replace(
         cfg, num_heads=cfg.num_heads // world, num_kv_heads=max(cfg.num_kv_heads // world, 1),
         heads_per_layer=[h // world for h in cfg.heads_per_layer],
-        intermediate_size=cfg.intermediate_size // world, shared_expert_ff=cfg.shared_expert_ff // world)
+        intermediate_size=cfg.intermediate_size // world, shared_expert_ff=cfg.shared_expert_ff // world,
+        linear_k_heads=cfg.linear_k_heads // world, linear_v_heads=cfg.linear_v_heads // world)
     model.cfg = local
     return local
 
@@ -124,7 +137,20 @@ def kv_heads_of(rank: int, world: int, kv_heads: int) -> range:
     return range(lo, (rank + 1) * kv_heads // world) if kv_heads >= world else range(lo, lo + 1)
 
 
-def _shard_block(block: DecoderBlock, cfg: ModelConfig, comm: Comm) -> None:
+def linear_heads_of(rank: int, world: int, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Gated DeltaNet layer's share of rank `rank` of `world`, as indices into the whole layer's: (its conv
+    channels over [q | k | v], which are also its attn_qkv rows and its conv state's channels; its value heads,
+    also its ssm state's heads). q/k heads [r K/N, (r+1) K/N) and the value heads that read them: value head h
+    reads q/k head h % K (tiled order), so they are taken m-major (h = j + m K for each m < V/K, then j over
+    the rank's q/k heads), and local value head i reads local q/k head i % (K/N): the same rule, locally."""
+    k, dk, dv = cfg.linear_k_heads, cfg.linear_k_dim, cfg.linear_v_dim
+    keys = range(rank * k // world, (rank + 1) * k // world)
+    values = torch.tensor([j + m * k for m in range(cfg.linear_v_heads // k) for j in keys])
+    key_rows = _head_rows(keys, dk)
+    return torch.cat([key_rows, k * dk + key_rows, 2 * k * dk + _head_rows(values, dv)]), values
+
+
+def _shard_block(block: DecoderBlock, comm: Comm) -> None:
     r, n, d = comm.rank, comm.world, block.head_dim
     hq, hkv = block.num_heads, block.num_kv_heads
     q_heads = range(r * hq // n, (r + 1) * hq // n)
@@ -135,15 +161,55 @@ def _shard_block(block: DecoderBlock, cfg: ModelConfig, comm: Comm) -> None:
     block.attn_qkv = _take_parts(block.attn_qkv, parts, [hq * d, hkv * d, hkv * d])
     if hasattr(block, "attn_gate"):
         block.attn_gate = _rows(block.attn_gate, _head_rows(q_heads, block.attn_gate.out_features // hq))
-    block.attn_output = _cols(block.attn_output, q_heads.start * d, q_heads.stop * d, comm)
+    block.attn_output = _cols(block.attn_output, [range(q_heads.start * d, q_heads.stop * d)], comm)
     block.num_heads, block.num_kv_heads = len(q_heads), len(kv_heads)
+
+
+def _shard_gated_attention(block: GatedAttentionBlock, comm: Comm) -> None:
+    """A hybrid's full-attention layer: attn_q's [query | gate] rows of this rank's heads, attn_k / attn_v of
+    the K/V heads they read, attn_output's columns of those heads."""
+    r, n, d = comm.rank, comm.world, block.head_dim
+    q_heads = range(r * block.num_heads // n, (r + 1) * block.num_heads // n)
+    kv_heads = kv_heads_of(r, n, block.num_kv_heads)
+    kv_rows = _head_rows(kv_heads, d)
+    block.attn_q = _rows(block.attn_q, _head_rows(q_heads, 2 * d))
+    block.attn_k, block.attn_v = _rows(block.attn_k, kv_rows), _rows(block.attn_v, kv_rows)
+    block.attn_output = _cols(block.attn_output, [range(q_heads.start * d, q_heads.stop * d)], comm)
+    block.num_heads, block.num_kv_heads = len(q_heads), len(kv_heads)
+
+
+def _shard_deltanet(block: DeltaNetBlock, cfg: ModelConfig, comm: Comm) -> None:
+    """A Gated DeltaNet layer's share of this rank (`linear_heads_of`); ssm_out row-parallel over the columns of
+    its value heads, one span of K/N heads for each m."""
+    channels, values = linear_heads_of(comm.rank, comm.world, cfg)
+    k, dv = cfg.linear_k_heads, cfg.linear_v_dim
+    mine = k // comm.world
+    first = comm.rank * mine
+    block.attn_qkv = _rows(block.attn_qkv, channels)
+    block.attn_gate = _rows(block.attn_gate, _head_rows(values, dv))
+    block.ssm_beta, block.ssm_alpha = _rows(block.ssm_beta, values), _rows(block.ssm_alpha, values)
+    block.ssm_a = _param_rows(block.ssm_a, values)
+    block.ssm_dt.bias = _param_rows(block.ssm_dt.bias, values)
+    block.ssm_conv1d.weight = _param_rows(block.ssm_conv1d.weight, channels)
+    block.ssm_out = _cols(block.ssm_out, [range((m * k + first) * dv, (m * k + first + mine) * dv)
+                                          for m in range(len(values) // mine)], comm)
+    block.k_heads, block.v_heads, block.conv_dim = mine, len(values), len(channels)
+
+
+def _shard_ffn(block: nn.Module, comm: Comm) -> None:
+    """The block's FFN: its experts (and shared expert), or the dense MLP's gate|up rows and down columns."""
     if block.moe is not None:
         _shard_moe(block, block.moe, comm)
-    else:
-        ff = block.ffn_down.in_features
-        lo, hi = r * ff // n, (r + 1) * ff // n
+        return
+    r, n = comm.rank, comm.world
+    ff = block.ffn_down.in_features
+    lo, hi = r * ff // n, (r + 1) * ff // n
+    if hasattr(block, "ffn_gate_up"):  # fused (DecoderModel.finalize)
         block.ffn_gate_up = _take_parts(block.ffn_gate_up, [torch.arange(lo, hi)] * 2, [ff, ff])
-        block.ffn_down = _cols(block.ffn_down, lo, hi, comm)
+    else:
+        block.ffn_gate, block.ffn_up = (_rows(getattr(block, name), torch.arange(lo, hi))
+                                        for name in ("ffn_gate", "ffn_up"))
+    block.ffn_down = _cols(block.ffn_down, [range(lo, hi)], comm)
 
 
 def _shard_moe(block: DecoderBlock, moe: MoE, comm: Comm) -> None:
@@ -160,7 +226,7 @@ def _shard_moe(block: DecoderBlock, moe: MoE, comm: Comm) -> None:
         for name in ("ffn_gate_shexp", "ffn_up_shexp"):
             _replace(block, moe, name, _rows(getattr(moe, name), torch.arange(lo, hi)))
         # summed with the routed experts' output, in the MoE's one all-reduce
-        _replace(block, moe, "ffn_down_shexp", _cols(moe.ffn_down_shexp, lo, hi, comm, reduce=False))
+        _replace(block, moe, "ffn_down_shexp", _cols(moe.ffn_down_shexp, [range(lo, hi)], comm, reduce=False))
     moe.reduce = comm.all_reduce
 
 
@@ -169,8 +235,13 @@ def _replace(block: nn.Module, moe: MoE, name: str, module: nn.Module) -> None:
     setattr(block, name, module)
 
 
-def _head_rows(heads: range, d: int) -> torch.Tensor:
-    return torch.arange(heads.start * d, heads.stop * d)
+def _head_rows(heads: range | torch.Tensor, d: int) -> torch.Tensor:
+    """The rows of heads `heads` (in that order) of a projection with `d` rows a head."""
+    return (torch.as_tensor(heads)[:, None] * d + torch.arange(d)).flatten()
+
+
+def _param_rows(p: torch.Tensor, idx: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(p.index_select(0, idx.to(p.device)).contiguous(), requires_grad=False)
 
 
 def _take_parts(fused: nn.Module, rows: list[torch.Tensor], sizes: list[int]) -> nn.Module:
@@ -201,22 +272,25 @@ def _rows(lin: Linear, idx: torch.Tensor) -> Linear:
     return out
 
 
-def _cols(lin: Linear, lo: int, hi: int, comm: Comm, reduce: bool = True) -> Linear:
-    """A Linear of input features [lo, hi) of `lin` (a RowParallelLinear: its output summed over the ranks,
-    unless the caller sums it); its bias is added once (rank 0's)."""
-    out = _empty(hi - lo, lin.out_features, lin.bias is not None and comm.rank == 0,
+def _cols(lin: Linear, spans: list[range], comm: Comm, reduce: bool = True) -> Linear:
+    """A Linear of the input features in `spans` of `lin`, side by side (a RowParallelLinear: its output summed
+    over the ranks, unless the caller sums it); its bias is added once (rank 0's)."""
+    width = sum(len(s) for s in spans)
+    out = _empty(width, lin.out_features, lin.bias is not None and comm.rank == 0,
                  RowParallelLinear if reduce else Linear)
     out.__dict__["comm"] = comm
     if lin.qtype is not None:
         block, size, _ = FORMATS[lin.qtype]
-        if lo % block or hi % block:
+        split = next((c for s in spans for c in (s.start, s.stop) if c % block), None)
+        if split is not None:
             raise LuceboxError(f"--tensor-parallel {comm.world}: a {lin.qtype} weight of {lin.cols} columns "
-                               f"would split at column {lo if lo % block else hi}, inside a {block}-value block "
+                               f"would split at column {split}, inside a {block}-value block "
                                "(use fewer ranks, or a dense or smaller-block file)")
-        data = lin.qdata[:, lo // block * size: hi // block * size].contiguous()
-        out.set_quant(QuantWeight(data, lin.qtype, hi - lo, lin.dtype), lin.dtype)
+        data = torch.cat([lin.qdata[:, s.start // block * size: s.stop // block * size] for s in spans], 1)
+        out.set_quant(QuantWeight(data.contiguous(), lin.qtype, width, lin.dtype), lin.dtype)
     else:
-        out.weight = nn.Parameter(lin.weight[:, lo:hi].contiguous(), requires_grad=False)
+        out.weight = nn.Parameter(torch.cat([lin.weight[:, s.start:s.stop] for s in spans], 1).contiguous(),
+                                  requires_grad=False)
     if out.bias is not None:
         out.bias = lin.bias
     return out

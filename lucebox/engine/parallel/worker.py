@@ -15,10 +15,15 @@ Failure: a rank that exits is seen by rank 0's watchdog (spawned ranks) or by th
 spawned rank watches its parent; either way the process that notices exits non-zero with the reason
 (group.fatal), never waits forever.
 
+Hybrid models (qwen35, qwen35moe): each rank's recurrent state slots hold its DeltaNet channels and heads
+(shard.py), at the slot numbers rank 0's scheduler hands out (each chunk's slot is in the plan); every state
+change rank 0 makes outside the forward reaches the others in a plan, and the prefix cache's captures inside
+it are named in the step's plan (kv.py).
+
 Speculative decoding: a DFlash chain or a DDTree, its drafter on rank 0 alone (WholeHeads says why); a draft
 tree and its parents (the attention mask) travel in the verification's plan, and the K/V moves of the accepted
-paths in the next plan (kv.py). The prefix cache: all three tiers; a RAM or disk snapshot holds every rank's
-K/V heads (kv.py).
+paths and a hybrid's accepted rows in the next plan (kv.py). The prefix cache: all three tiers; a RAM or disk
+snapshot holds every rank's K/V heads and recurrent states (kv.py).
 
 PFlash: the default scorer, the target itself, scores through the sharded target on every rank
 (`TPEngine.token_importance`, a SCORE plan), since running it on rank 0 alone would need the whole target
@@ -29,8 +34,7 @@ small and runs whole on rank 0, as the DFlash drafter does. The compressed promp
 Spark: each rank places its own experts (those shard.py gave it) from the same profile, with its share of the
 budget, the cold ones in its host memory (spark/engine.py); rank 0's Spark is the one /props and /metrics show.
 
-Not under tensor parallelism yet (refused or switched off with a log line): CUDA graphs (decode runs eagerly)
-and hybrid (DeltaNet) models.
+Not under tensor parallelism yet (switched off with a log line): CUDA graphs (decode runs eagerly).
 """
 
 from __future__ import annotations
@@ -53,8 +57,30 @@ from torch import nn
 from lucebox.engine.models.config import ModelConfig
 from lucebox.engine.models.decoder import DecoderModel
 from lucebox.engine.parallel.group import Comm, close_group, fatal, init_group
-from lucebox.engine.parallel.kv import LeaderSpec, ShardedKV, load_rows, move_rows, save_rows, write_rows
-from lucebox.engine.parallel.plan import LOAD, SAVE, SCORE, PlanSender, decode_plan, encode_score, encode_step
+from lucebox.engine.parallel.kv import (
+    LeaderSpec,
+    ShardedKV,
+    ShardedStates,
+    capture_states,
+    load_rows,
+    move_rows,
+    save_rows,
+    scatter_state,
+    send_captures,
+    step_captures,
+    write_rows,
+)
+from lucebox.engine.parallel.plan import (
+    LOAD,
+    LOAD_STATE,
+    SAVE,
+    SCORE,
+    PlanSender,
+    SpecChanges,
+    decode_plan,
+    encode_score,
+    encode_step,
+)
 from lucebox.engine.parallel.shard import check_shardable, shard_model
 from lucebox.engine.pflash.config import PFlashConfig
 from lucebox.engine.pflash.scorer import token_importance
@@ -70,14 +96,22 @@ WATCH_S = 0.2  # how often rank 0 checks its spawned ranks (and they their paren
 
 
 class LeaderRunner(ModelRunner):
-    """Rank 0's runner: every forward first sends its plan, so the other ranks run the same one."""
+    """Rank 0's runner: every forward first sends its plan, so the other ranks run the same one; a hybrid's
+    state captures of the step are gathered from every rank right after it."""
 
     sender: PlanSender
+    states: ShardedStates | None = None
 
     def forward(self, inputs: StepInputs, capture: tuple[int, ...] = ()) -> StepResult:
-        with self.sender.turn(encode_step(inputs.order, tuple(capture), self.kv.block_size)):
+        captures = step_captures(inputs.state)
+        with self.sender.turn(encode_step(inputs.order, tuple(capture), self.kv.block_size,
+                                          [(slot, c.position) for slot, c in captures])):
             try:
-                return super().forward(inputs, capture)
+                result = super().forward(inputs, capture)
+                if captures:
+                    assert self.states is not None
+                    self.states.gather([c for _, c in captures])
+                return result
             except Exception as exc:  # noqa: BLE001 - the other ranks ran this step: a retry would be out of step
                 fatal(f"rank 0: a forward failed after its plan was sent ({type(exc).__name__}: {exc})")
 
@@ -91,21 +125,23 @@ class TPEngine(LLMEngine):
         self.heads = heads
         self.spark = spark  # rank 0's placed experts (spark/engine.py), when Spark placed them
         self.tp = group
-        self.full_config = full  # the unsharded model's (a snapshot holds all its K/V heads)
-        self.sender = PlanSender(group.comm, self._moves)
+        self.full_config = full  # the unsharded model's (a snapshot holds all its K/V heads and state heads)
+        self.sender = PlanSender(group.comm, self._changes)
         super().__init__(loaded, config)
+        # a hybrid's states as its snapshots see them: every rank's
+        self.states = ShardedStates(self.kv.states, self.sender, full) if self.kv.states is not None else None
         runner = LeaderRunner(loaded.model, self.kv, loaded.dtype)
-        runner.sender = self.sender
+        runner.sender, runner.states = self.sender, self.states
         self.runner = runner
 
-    def _moves(self) -> list[tuple[int, int]]:
-        return self.spec.take_moves() if isinstance(self.spec, LeaderSpec) else []
+    def _changes(self) -> SpecChanges:
+        return self.spec.take_changes() if isinstance(self.spec, LeaderSpec) else SpecChanges()
 
     def spec_decoder_class(self) -> type[LeaderSpec]:
         return LeaderSpec
 
     def snapshot_kv(self) -> ShardedKV:
-        return ShardedKV(self.kv, self.sender, self.full_config.num_kv_heads)
+        return ShardedKV(self.kv, self.sender, self.full_config.num_kv_heads, self.states)
 
     @property
     def drafter_target(self) -> Any:
@@ -121,7 +157,7 @@ class TPEngine(LLMEngine):
         """PFlash with the target as its own scorer: its forward on every rank's shard (a SCORE plan), not on
         rank 0 alone, which would need the whole target there. Called from PFlash's worker thread: the plan
         lock runs it between two of the engine thread's messages (decode steps wait for the pass)."""
-        with self.sender.turn(encode_score(ids), moves=False):
+        with self.sender.turn(encode_score(ids), changes=False):
             try:
                 self.tp.comm.broadcast_object(cfg)
                 return sharded_importance(self.loaded.model, ids, cfg, self.tp.comm)
@@ -326,20 +362,29 @@ def follower_main(rank: int, world: int, device_type: str, init_method: str = "e
 
 
 def run_plans(runner: ModelRunner, comm: Comm) -> None:
-    """Run rank 0's steps and snapshot copies on this rank's shard until it closes the engine."""
-    kv = runner.kv
+    """Run rank 0's steps, snapshot copies and state restores on this rank's shard until it closes the engine."""
+    kv, states = runner.kv, runner.kv.states
     while (words := comm.recv_plan()) is not None:
         plan = decode_plan(words)
         move_rows(kv, *plan.moves)
+        for slot, row in plan.accepts:
+            assert states is not None
+            states.accept(slot, row)
         if plan.op == SAVE:
             comm.gather_to_root(save_rows(kv, plan.blocks, plan.end))
         elif plan.op == LOAD:
             write_rows(kv, plan.blocks, plan.start, plan.end,
                        comm.scatter_from_root(load_rows(kv, plan.start, plan.end)))
+        elif plan.op == LOAD_STATE:
+            assert states is not None
+            states.write_slot(plan.slot, *scatter_state(comm, states))
         elif plan.op == SCORE:
             sharded_importance(runner.model, plan.ids, comm.broadcast_object(), comm)
         else:
+            captures = capture_states(states, plan.states) if states is not None else []
             runner.forward(runner.prepare(plan.chunks), plan.capture)
+            if captures:
+                send_captures(comm, states, captures)
 
 
 def _watch_parent(parent: int, rank: int) -> None:

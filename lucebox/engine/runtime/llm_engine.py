@@ -259,9 +259,9 @@ class LLMEngine:
             dc = self.spec.drafter.cfg
             extra["drafter"] = [model_identity(self.draft_path) if self.draft_path is not None else "unnamed",
                                 dc.num_layers, dc.num_kv_heads, dc.head_dim]
-        if self.kv.states is not None:  # a hybrid's snapshots hold its recurrent state (cache/state_snapshots.py)
-            extra["state"] = [list(shape) for shape in self.kv.states.shapes()]
         target = self.snapshot_kv()
+        if target.states is not None:  # a hybrid's snapshots hold its recurrent state (cache/state_snapshots.py)
+            extra["state"] = [list(shape) for shape in target.states.shapes()]
         layout = layout_id(model_path=self.loaded.path, kv_dtype=self.kv.kv_dtype, block_size=self.kv.block_size,
                            n_ctx=self.n_ctx, template_sha1=template.sha1 if template is not None else "",
                            num_layers=mc.num_layers, num_kv_heads=target.kv_heads, head_dim=mc.head_dim, extra=extra)
@@ -270,7 +270,8 @@ class LLMEngine:
         self.scheduler.cache = self.cache
 
     def snapshot_kv(self) -> LocalKV:
-        """What the prefix cache's RAM and disk snapshots copy: this engine's KV (engine/parallel: every rank's)."""
+        """What the prefix cache's RAM and disk snapshots copy: this engine's KV and recurrent states
+        (engine/parallel: every rank's)."""
         from lucebox.cache.snapshots import LocalKV
 
         return LocalKV(self.kv)

@@ -8,6 +8,8 @@ given back when it is preempted or finishes, so the slot count (the memory plan'
 bounds the running set as the block count bounds its tokens. A slot is not cleared when it is
 handed out: a chunk that starts at position 0 reads zeros instead of its slot. Slot 0 is never handed
 out: like KV block 0 it is scratch, for rows of sequences that own none (the CUDA memory probe's).
+Under tensor parallelism each rank's slots hold its share of the channels and heads (engine/parallel/shard.py)
+at the slot numbers rank 0 hands out, and rank 0's plans make every change to them on the other ranks too.
 
 A step's new states are kept aside (`StateRows.stage`) and written to the slots only after the whole
 forward pass (`StateRows.commit`): a step that raises leaves every state as it was, so the engine can run
@@ -66,17 +68,23 @@ class RecurrentStates:
     k_dim, v_dim], fp32, with the free list of slots 1..num_slots (slot 0 is scratch)."""
 
     def __init__(self, cfg: ModelConfig, num_slots: int, device: torch.device | str) -> None:
-        n = cfg.layer_types.count("linear")
-        conv_dim = 2 * cfg.linear_k_heads * cfg.linear_k_dim + cfg.linear_v_heads * cfg.linear_v_dim
+        conv, ssm = self.slot_shapes(cfg)
         self.num_slots = num_slots
-        self.conv = torch.zeros(n, 1 + num_slots, conv_dim, cfg.linear_conv_kernel - 1, dtype=torch.float32,
-                                device=device)
-        self.ssm = torch.zeros(n, 1 + num_slots, cfg.linear_v_heads, cfg.linear_k_dim, cfg.linear_v_dim,
-                               dtype=torch.float32, device=device)
+        self.conv = torch.zeros(conv[0], 1 + num_slots, *conv[1:], dtype=torch.float32, device=device)
+        self.ssm = torch.zeros(ssm[0], 1 + num_slots, *ssm[1:], dtype=torch.float32, device=device)
         self._free: deque[int] = deque(range(1, 1 + num_slots))
         self.captures: dict[int, list[StateCapture]] = {}  # slot -> planned captures (the prefix cache's)
         # slot -> per linear layer (conv [rows, C, K-1], ssm [rows, Hv, Dk, Dv]) of its last verification's rows
         self.verified: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    @staticmethod
+    def slot_shapes(cfg: ModelConfig) -> tuple[torch.Size, torch.Size]:
+        """Shapes of one slot's conv [linear layers, channels, kernel - 1] and ssm [linear layers, v_heads, k_dim,
+        v_dim] states of a model of `cfg` (under tensor parallelism: a rank's config gives its share)."""
+        n = cfg.layer_types.count("linear")
+        conv_dim = 2 * cfg.linear_k_heads * cfg.linear_k_dim + cfg.linear_v_heads * cfg.linear_v_dim
+        return (torch.Size((n, conv_dim, cfg.linear_conv_kernel - 1)),
+                torch.Size((n, cfg.linear_v_heads, cfg.linear_k_dim, cfg.linear_v_dim)))
 
     def shapes(self) -> tuple[torch.Size, torch.Size]:
         """Shapes of one slot's conv and ssm states over every linear layer (what a capture or snapshot holds)."""
@@ -85,9 +93,7 @@ class RecurrentStates:
     @staticmethod
     def bytes_per_slot(cfg: ModelConfig) -> int:
         """Device bytes of one sequence's state over every linear layer (fp32)."""
-        conv_dim = 2 * cfg.linear_k_heads * cfg.linear_k_dim + cfg.linear_v_heads * cfg.linear_v_dim
-        per_layer = conv_dim * (cfg.linear_conv_kernel - 1) + cfg.linear_v_heads * cfg.linear_k_dim * cfg.linear_v_dim
-        return 4 * per_layer * cfg.layer_types.count("linear")
+        return 4 * sum(shape.numel() for shape in RecurrentStates.slot_shapes(cfg))
 
     @property
     def num_free(self) -> int:

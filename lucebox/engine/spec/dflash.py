@@ -187,11 +187,15 @@ class SpecDecoder:
             kv.data[:, :, dst] = kv.data[:, :, src]
         if self.target_kv.states is not None:  # a hybrid: the recurrent state after the last kept row
             # (forced tokens replace the verified ones: the caller keeps only the last known token, row 0)
-            self.target_kv.states.accept(seq.state_slot, 0 if seq.forced_tokens else path[-1])
+            self.accept_state(seq, 0 if seq.forced_tokens else path[-1])
         rows = torch.tensor(path, device=self.device)
         self.extend_context(seq, p0, [f[rows] for f in features])
         self.record(seq, p0, len(path))
         return tokens
+
+    def accept_state(self, seq: Sequence, row: int) -> None:
+        """A hybrid target: the sequence's recurrent state becomes the one after verified row `row`."""
+        self.target_kv.states.accept(seq.state_slot, row)
 
     def record(self, seq: Sequence, start: int, n_path: int) -> None:
         """Book-keeping after a verification: computed length and acceptance statistics."""
