@@ -52,7 +52,8 @@ TOOLS: list[tuple[str, str, dict, str]] = [  # name, description, parameters, a 
      "Which files are here?"),
 ]
 SCHEMAS = {name: params for name, _, params, _ in TOOLS}
-N = int(os.environ.get("LUCEBOX_CONSTRAINED_N", "18"))  # forced-call requests in the test (the note ran 100)
+N = int(os.environ.get("LUCEBOX_CONSTRAINED_N", "12"))  # forced-call requests (12: every dialect x stream x
+# named combination once, every tool twice; the note ran 100)
 
 
 def openai_tools() -> list[dict]:
