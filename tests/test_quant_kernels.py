@@ -237,8 +237,9 @@ def test_warm_up_never_keeps_a_config_that_computes_wrong(monkeypatch) -> None:
     times = {good: 2.0, bad: 1.0}
     monkeypatch.setattr(qmm, "_launch_words", launch)
     monkeypatch.setattr(qmm, "GEMV_CANDIDATES", [bad, good])
-    monkeypatch.setattr(qmm, "I8_CANDIDATES", [])
+    monkeypatch.setattr(qmm, "Q8X_CANDIDATES", {})
     monkeypatch.setattr(qmm, "SMALL_CANDIDATES", [bad])
+    monkeypatch.setattr(qmm, "SMALL_Q8X_CANDIDATES", {})
     monkeypatch.setattr(qmm, "TUNED", {})
     calls = []
     monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: (calls.append(1), fn(), times[
@@ -289,19 +290,21 @@ def i8_reference_q6k(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     return ((dense * xq).sum(-1) * (amax[:, 0] / 127.0)).sum(-1)[None]
 
 
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
-@pytest.mark.parametrize("cfg", [(4, 1, 1, 1, "i8"), (8, 2, 4, 2, "i8"), (16, 1, 4, 4, "i8")])
+@pytest.mark.parametrize("qtype,cfg", [(q, c) for q in ("Q4_K", "Q6_K") for c in [
+    (4, 2, 1, 1, "q8x"), (8, 4, 4, 2, "q8x"), (16, 1, 2, 4, "q8x")]] + [
+    ("Q8_0", (4, 1, 1, 1, "q8x")), ("Q8_0", (8, 2, 4, 2, "q8x"))])
 def test_int8_activation_gemv(qtype: str, cfg) -> None:
-    """The Q4_K / Q6_K gemv with int8 activations (dp4a on CUDA, the same sum by shifts under the interpreter)
-    equals its own arithmetic done in torch, and stays within bf16-like error of the exact product; split-K and
-    bias; Q6_K rows of an even number of blocks (every other block 2 bytes into a word)."""
+    """The Q4_K / Q6_K / Q8_0 gemvs with int8 activations (dp4a on CUDA, the same sum by shifts under the
+    interpreter) equal their own arithmetic done in torch, and stay within bf16-like error of the exact product;
+    split-K and bias; rows not a multiple of the rows a program takes; Q6_K / Q8_0 rows of an even number of
+    blocks (every other block 2 bytes into a word)."""
     n, k = 40, 256 * 4
     w = random_weight(qtype, n, k, seed=11).to(DEVICE)
     x = torch.randn(1, k, device=DEVICE).to(DTYPE)
     x[0, 64:96] = 0.0  # an all-zero sub-block: scale 0, no division by zero
     out = torch.full((1, n), float("nan"), device=DEVICE, dtype=DTYPE)
     qmm._launch_words(x, w, None, out, cfg)
-    own = i8_reference(x, w) if qtype == "Q4_K" else i8_reference_q6k(x, w)
+    own = i8_reference(x, w) if qtype == "Q4_K" else i8_reference_q6k(x, w)  # Q6_K's form holds for Q8_0
     assert rel_err(out, own.to(out.device)) < (1e-2 if CUDA else 1e-6)
     assert rel_err(out, reference(x, w)) < 1.5e-2
     bias = torch.randn(n, device=DEVICE).to(DTYPE)
@@ -314,10 +317,11 @@ def test_warm_up_keeps_the_int8_gemv_where_it_is_faster(monkeypatch) -> None:
     (timer stubbed on the CPU); qmatmul then runs it."""
     import triton.testing
 
-    flt, i8 = (4, 1, 1, 1), (4, 1, 1, 1, "i8")
+    flt, i8 = (4, 1, 1, 1), (4, 2, 1, 1, "q8x")
     monkeypatch.setattr(qmm, "GEMV_CANDIDATES", [flt])
-    monkeypatch.setattr(qmm, "I8_CANDIDATES", [i8])
+    monkeypatch.setattr(qmm, "Q8X_CANDIDATES", {"Q4_K": [i8]})
     monkeypatch.setattr(qmm, "SMALL_CANDIDATES", [])
+    monkeypatch.setattr(qmm, "SMALL_Q8X_CANDIDATES", {})
     monkeypatch.setattr(qmm, "TUNED", {})
     times = {flt: 2.0, i8: 1.0}
     monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: (fn(), times[fn.__defaults__[0]])[-1])
@@ -325,3 +329,24 @@ def test_warm_up_keeps_the_int8_gemv_where_it_is_faster(monkeypatch) -> None:
     w = random_weight("Q4_K", 24, 512, seed=12).to(DEVICE)
     x = torch.randn(1, 512, device=DEVICE).to(DTYPE)
     assert rel_err(qmm.qmatmul(x, w), i8_reference(x, w).to(DEVICE)) < (1e-2 if CUDA else 1e-6)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("m", [2, 5, 16])
+@pytest.mark.parametrize("cfg", [(16, 1, 4, 1, "q8x"), (32, 1, 4, 2, "q8x")])
+def test_int8_small_batch(qtype: str, m: int, cfg) -> None:
+    """The Q4_K / Q6_K small-batch kernels with int8 activations (int8 tensor-core dots) equal, row by row, the
+    int8-activation arithmetic in torch, and stay within bf16-like error of the exact product; split-K, bias,
+    rows not a multiple of the program's."""
+    n, k = 40, 256 * 4
+    w = random_weight(qtype, n, k, seed=13).to(DEVICE)
+    x = torch.randn(m, k, device=DEVICE).to(DTYPE)
+    x[0, 64:96] = 0.0
+    out = torch.full((m, n), float("nan"), device=DEVICE, dtype=DTYPE)
+    qmm._launch_words(x, w, None, out, cfg)
+    own = torch.cat([(i8_reference if qtype == "Q4_K" else i8_reference_q6k)(x[i], w) for i in range(m)])
+    assert rel_err(out, own.to(out.device)) < (1e-2 if CUDA else 1e-6)
+    assert rel_err(out, reference(x, w)) < 1.5e-2
+    bias = torch.randn(n, device=DEVICE).to(DTYPE)
+    qmm._launch_words(x, w, bias, out, cfg)
+    assert rel_err(out, reference(x, w, bias)) < 1.5e-2

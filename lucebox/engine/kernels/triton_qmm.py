@@ -3,11 +3,14 @@
 Paths, by type and the number of activation rows M (qmatmul picks):
 - Q4_K, Q6_K, Q8_0 (the types of Q4_K_M / Q6_K / Q8_0 files), rows a whole number of int32 words:
   M = 1: _gemv_words_kernel (rows read as 16-byte vectors where the layout allows, nibbles and bytes made
-  fp32 by mantissa tricks, bf16 x read 4 columns per word, fp32 FMAs); 2 <= M <= SMALL_BM:
-  _qmm_words_kernel (the same word loads, each bit plane fed to a tensor-core dot with all M rows). Both
-  split the columns over `split` programs when that fills the GPU better (fp32 partials, then
-  _splitk_sum_kernel: no atomics). Launch configs: GEMV_DEFAULT / SMALL_DEFAULT, or what `warm_up` measured
-  for the shape (at start-up only).
+  fp32 by mantissa tricks, bf16 x read 4 columns per word, fp32 FMAs), or the int8-activation gemvs
+  (_gemv_*_q8x_kernel: x quantized once per call by _quant_x_kernel, 4 weights a dp4a); 2 <= M <= SMALL_BM:
+  _qmm_words_kernel (the same word loads, each bit plane fed to a bf16 tensor-core dot with all M rows) or,
+  for Q4_K / Q6_K, _qmm_q4k_q8x_kernel / _qmm_q6k_q8x_kernel (int8 tensor-core dots with int8 x). All split
+  the columns over `split` programs when that fills the GPU better (fp32 partials, then _splitk_sum_kernel:
+  no atomics).
+  Launch configs: GEMV_DEFAULT / SMALL_DEFAULT, or the fastest correct candidate `warm_up` measured for the
+  shape (at start-up only).
 - Other types at M = 1: byte-wise gemv (_gemv_kernel; Q4_1 reads words, _gemv_q4_1_kernel).
 - Everything else (prefill, other types' small batches): slices of at most SCRATCH_ELEMS weight elements
   are dequantized (_dequant_kernel) into one reused scratch and multiplied by cuBLAS: tensor-core speed
@@ -21,6 +24,8 @@ byte is loaded once. Every launch is shape-only (no host syncs), so decode steps
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 import triton
@@ -36,6 +41,7 @@ from lucebox.engine.weights.quant.qtensor import QuantWeight, row_bytes
 _TYPES = {"Q4_0": (0, 32, 8, 16), "Q4_1": (1, 32, 8, 16), "Q5_0": (2, 32, 8, 16), "Q5_1": (3, 32, 8, 16),
           "Q8_0": (4, 32, 8, 32), "Q4_K": (5, 64, 4, 32), "Q5_K": (6, 64, 4, 32), "Q6_K": (7, 128, 2, 32)}
 assert set(_TYPES) == set(FORMATS)
+log = logging.getLogger(__name__)
 
 
 @triton.jit
@@ -251,13 +257,10 @@ def _vword(row, st, j):
 
 
 @triton.jit
-def _q4k_load(row, sb):
-    """Super-blocks sb [1, NSB, 1, 1] of rows `row` [BN, 1, 1, 1] (int32 pointers): words [BN, NSB, 4, 8] of
-    nibbles (chunk ci = dim 2), and the per-sub-block d * scale and dmin * min, [BN, NSB, 4, 1] for s = 0, 1."""
+def _q4k_scales(base):
+    """The per-sub-block d * scale and dmin * min of super-blocks at int32 pointers `base` [BN, NSB, 1, 1], as
+    [BN, NSB, 4, 1] for s = 0, 1: sub-blocks 2ci + s of chunk ci (dim 2)."""
     ci = tl.arange(0, 4)[None, None, :, None]
-    wi = tl.arange(0, 8)[None, None, None, :]
-    base = row + sb * 36
-    q = tl.load(base + 4 + ci * 8 + wi)
     w0 = tl.load(base)
     s0 = tl.load(base + 1)
     s1 = tl.load(base + 2)
@@ -273,8 +276,19 @@ def _q4k_load(row, sb):
     sh1 = sh + 8
     sc1 = (1 - hi) * ((s0 >> sh1) & 63) + hi * (((s2 >> sh1) & 15) | (((s0 >> (sh1 + 6)) & 3) << 4))
     mn1 = (1 - hi) * ((s1 >> sh1) & 63) + hi * (((s2 >> (sh1 + 4)) & 15) | (((s1 >> (sh1 + 6)) & 3) << 4))
-    return (q, d * sc0.to(tl.float32), dmin * mn0.to(tl.float32), d * sc1.to(tl.float32),
-            dmin * mn1.to(tl.float32))
+    return d * sc0.to(tl.float32), dmin * mn0.to(tl.float32), d * sc1.to(tl.float32), dmin * mn1.to(tl.float32)
+
+
+@triton.jit
+def _q4k_load(row, sb):
+    """Super-blocks sb [1, NSB, 1, 1] of rows `row` [BN, 1, 1, 1] (int32 pointers): words [BN, NSB, 4, 8] of
+    nibbles (chunk ci = dim 2), and the per-sub-block d * scale and dmin * min, [BN, NSB, 4, 1] for s = 0, 1."""
+    ci = tl.arange(0, 4)[None, None, :, None]
+    wi = tl.arange(0, 8)[None, None, None, :]
+    base = row + sb * 36
+    q = tl.load(base + 4 + ci * 8 + wi)
+    ds0, dm0, ds1, dm1 = _q4k_scales(base)
+    return q, ds0, dm0, ds1, dm1
 
 
 @triton.jit
@@ -449,14 +463,23 @@ def _gemv_words_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, n_split, row_words, QTYPE:
     _store_rows(y_ptr, b_ptr, y, rn, n_mask, N, HAS_BIAS, PARTIAL)
 
 
-# ----- Q4_K and Q6_K at one row with int8 activations: 4 weights a dp4a ---------------------------------------
-# The float gemv above spends ~6 ALU operations on every weight (the nibble made a float, scaled, multiplied),
-# which bounds it below the memory bandwidth. As llama.cpp's MMVQ does, the activations of each 32-column
-# sub-block are quantized to int8 (scale absmax / 127) inside the kernel, and four nibbles of a weight word
-# (masked, not shifted apart) meet four int8 activations in one dp4a: per sub-block
+# ----- one row with int8 activations: 4 weights a dp4a ------------------------------------------------------
+# The float gemv above spends ~6 ALU operations on every weight (the nibble made a float, scaled, multiplied).
+# As llama.cpp's MMVQ does, the activation row is quantized to int8 per 32 columns (scale absmax / 127, rounded
+# half away from zero), once per call by _quant_x_kernel into a small workspace, and four weights of a word
+# (masked, not shifted apart) meet four int8 activations in one dp4a: per 32 columns
 #   sum_j (d*sc*q_j - dmin*m) * x_j  ~=  d*sc*dx * sum_j q_j*xq_j  -  dmin*m * sum_j x_j   (the last sum exact).
-# The int8 rounding costs ~0.3% relative error per dot product, about bf16's; the start-up tuner keeps this
-# kernel for a shape only where it beats the float gemv and passes the same exactness check.
+# The int8 rounding costs ~0.3% relative error per dot product, about bf16's; the start-up tuner keeps these
+# kernels for a shape only where they beat the float gemv and pass the same exactness check.
+# Layout matters more than arithmetic here: in the K-quant kernels each thread owns one (weight row,
+# super-block) pair and reads it as 4-word vectors ([R, 4] tensors, R = BN * NB pairs a step), so the block's
+# scales are decoded once per thread and every sum stays in its registers (no layout conversions, no shuffles
+# in the loop): ~1.5 instructions a weight for Q4_K, ~2.9 for Q6_K, measured from the SASS.
+# Workspace for K columns, int32 words: [K/4 words of int8 x | K/32 fp32 dx | K/32 fp32 exact sums of x per 32
+# columns | K/16 int32 sums of the int8 x per 16 columns]. Integer sums become fp32 through the mantissa of
+# 1.5 * 2**23 (an add, not a slow I2F).
+
+ISUM = tl.constexpr(12582912.0)  # 1.5 * 2**23: bitcast(0x4B400000 + v) == 1.5 * 2**23 + v for |v| < 2**22
 
 
 @triton.jit
@@ -474,88 +497,275 @@ def _dp4a(a, b, ASM: tl.constexpr):
 
 
 @triton.jit
-def _x_q8(x_ptr, sb, s: tl.constexpr):
-    """Plane s of super-blocks sb [1, NSB, 1, 1] of the activations (column sb*256 + 64c + 32s + 4w + b at word
-    w, byte b of chunk c), quantized per 32-column sub-block: int8 words [1, NSB, 4, 8], the scale dx and the
-    exact sum of the sub-block's x, both [1, NSB, 4, 1]."""
-    c = tl.arange(0, 4)[None, None, :, None, None]
-    w = tl.arange(0, 8)[None, None, None, :, None]
-    b = tl.arange(0, 4)[None, None, None, None, :]
-    x = tl.load(x_ptr + (sb[:, :, :, :, None] * 256 + c * 64 + 32 * s + 4 * w + b)).to(tl.float32)
-    amax = tl.max(tl.max(tl.abs(x), axis=4), axis=3, keep_dims=True)  # [1, NSB, 4, 1]
-    v = x * (127.0 / tl.maximum(amax, 1e-30))[:, :, :, :, None]  # amax 0: x is 0 too
-    q = tl.where(v >= 0, v + 0.5, v - 0.5).to(tl.int32)  # round half away from zero: |q| <= 127
-    words = tl.sum((q & 0xFF) << (8 * b), axis=4)  # the four bytes are disjoint: the sum is their OR
-    return words, amax / 127.0, tl.sum(tl.sum(x, axis=4), axis=3, keep_dims=True)
+def _ifloat(v):
+    """int32 v (|v| < 2**22) as exact fp32."""
+    return (v + 0x4B400000).to(tl.float32, bitcast=True) - ISUM
 
 
 @triton.jit
-def _gemv_q4k_i8_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, n_split, row_words, HAS_BIAS: tl.constexpr,
-                        PARTIAL: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, ASM: tl.constexpr):
-    """One activation row of a Q4_K weight with int8 activations (see above); programs, splits and partial
-    sums as in _gemv_words_kernel."""
+def _pick(v, k, i: tl.constexpr):
+    """Element i of each thread's 4-vector v [R, 4] (k = arange(4)[None, :]), as [R, 1]: an in-thread sum."""
+    return tl.sum(tl.where(k == i, v, 0), axis=1, keep_dims=True)
+
+
+@triton.jit
+def _quant_x_kernel(x_ptr, ws_ptr, K, stride_xm, BLOCKS: tl.constexpr):
+    """Row program_id(1) of x [M, K] -> its workspace (row m's at word m * (K/4 + K/8))."""
+    m = tl.program_id(1)
+    x_ptr += m.to(tl.int64) * stride_xm
+    ws_ptr += m.to(tl.int64) * (K // 4 + K // 8)
+    blk = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)[:, None, None]  # 32-column blocks [BLOCKS, 1, 1]
+    half = tl.arange(0, 2)[None, :, None]
+    j = tl.arange(0, 16)[None, None, :]
+    col = blk * 32 + half * 16 + j
+    mask = col < K
+    x = tl.load(x_ptr + col, mask=mask, other=0.0).to(tl.float32)
+    amax = tl.max(tl.max(tl.abs(x), axis=2, keep_dims=True), axis=1, keep_dims=True)  # [BLOCKS, 1, 1]
+    v = x * tl.where(amax > 0, 127.0 / amax, 0.0)
+    q = tl.where(v >= 0, v + 0.5, v - 0.5).to(tl.int32)
+    tl.store(ws_ptr.to(tl.pointer_type(tl.int8)) + col, q.to(tl.int8), mask=mask)
+    bmask = blk < K // 32
+    tl.store((ws_ptr + K // 4).to(tl.pointer_type(tl.float32)) + blk, amax / 127.0, mask=bmask)
+    tl.store((ws_ptr + K // 4 + K // 32).to(tl.pointer_type(tl.float32)) + blk,
+             tl.sum(tl.sum(x, axis=2, keep_dims=True), axis=1, keep_dims=True), mask=bmask)
+    tl.store(ws_ptr + K // 4 + K // 16 + blk * 2 + half, tl.sum(q, axis=2, keep_dims=True), mask=bmask & (half < 2))
+
+
+def quantize_x(x: torch.Tensor) -> torch.Tensor:
+    """Activation rows [M, K] (K % 32 == 0) as the int8 workspace of the *_q8x kernels, [M, K/4 + K/8] words."""
+    m, k = x.shape
+    ws = torch.empty(m, k // 4 + k // 8, device=x.device, dtype=torch.int32)
+    _quant_x_kernel[(triton.cdiv(k // 32, 8), m)](x, ws, k, x.stride(0), BLOCKS=8, num_warps=2)
+    return ws
+
+
+@triton.jit
+def _gemv_q4k_q8x_kernel(ws_ptr, w_ptr, b_ptr, y_ptr, N, K, n_split, row_words, HAS_BIAS: tl.constexpr,
+                         PARTIAL: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, ASM: tl.constexpr):
+    """One row of a Q4_K weight against the int8 workspace: BN rows x NB super-blocks a step, one (row,
+    super-block) pair a thread. Per 32-column sub-block, 8 dp4a (2 vectors) summed in registers, times
+    d * scale * dx, less dmin * min * (exact sum of x). Programs and splits as _gemv_words_kernel."""
+    R: tl.constexpr = BN * NB
+    r = tl.arange(0, R)
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
-    lo = tl.program_id(1) * n_split
     n_mask = rn < N
-    rows = tl.minimum(rn, N - 1).to(tl.int64)
-    row = w_ptr.to(tl.pointer_type(tl.int32)) + rows[:, None, None, None] * row_words
-    acc = tl.zeros((BN, NB, 4, 1), dtype=tl.float32)
+    rows = tl.minimum(tl.program_id(0) * BN + r // NB, N - 1).to(tl.int64)
+    row = w_ptr.to(tl.pointer_type(tl.int32)) + rows[:, None] * row_words  # [R, 1]
+    k = tl.arange(0, 4)[None, :]
+    lo = tl.program_id(1) * n_split
+    dxp = (ws_ptr + K // 4).to(tl.pointer_type(tl.float32))
+    sxp = (ws_ptr + K // 4 + K // 32).to(tl.pointer_type(tl.float32))
+    acc = tl.zeros((R, 1), dtype=tl.float32)
     for g in range(lo, lo + n_split, NB):
-        sb = g + tl.arange(0, NB)[None, :, None, None]
-        q, ds0, dm0, ds1, dm1 = _q4k_load(row, sb)
-        x0, dx0, sx0 = _x_q8(x_ptr, sb, 0)
-        x1, dx1, sx1 = _x_q8(x_ptr, sb, 1)
-        shape: tl.constexpr = (BN, NB, 4, 8)
-        i0 = tl.sum(_dp4a(q & 0x0F0F0F0F, tl.broadcast_to(x0, shape), ASM), axis=3, keep_dims=True)
-        i1 = tl.sum(_dp4a((q >> 4) & 0x0F0F0F0F, tl.broadcast_to(x1, shape), ASM), axis=3, keep_dims=True)
-        acc += ds0 * dx0 * i0.to(tl.float32) + ds1 * dx1 * i1.to(tl.float32) - dm0 * sx0 - dm1 * sx1
-    y = tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=1)
+        sb = (g + r % NB)[:, None]  # [R, 1]
+        base = row + sb * 36
+        hdr = tl.load(base + k)  # d | dmin, then the 12 bytes of 6-bit scales and mins
+        w0 = _pick(hdr, k, 0)
+        s0 = _pick(hdr, k, 1)
+        s1 = _pick(hdr, k, 2)
+        s2 = _pick(hdr, k, 3)
+        d = _h16(w0, 0)
+        dmin = _h16(w0, 16)
+        for ci in tl.static_range(4):  # chunk ci: 32 bytes, sub-blocks 2ci (low nibbles) and 2ci + 1 (high)
+            if ci < 2:
+                sc0 = (s0 >> (16 * ci)) & 63
+                mn0 = (s1 >> (16 * ci)) & 63
+                sc1 = (s0 >> (16 * ci + 8)) & 63
+                mn1 = (s1 >> (16 * ci + 8)) & 63
+            else:
+                sh = 16 * (ci - 2)
+                sc0 = ((s2 >> sh) & 15) | (((s0 >> (sh + 6)) & 3) << 4)
+                mn0 = ((s2 >> (sh + 4)) & 15) | (((s1 >> (sh + 6)) & 3) << 4)
+                sc1 = ((s2 >> (sh + 8)) & 15) | (((s0 >> (sh + 14)) & 3) << 4)
+                mn1 = ((s2 >> (sh + 12)) & 15) | (((s1 >> (sh + 14)) & 3) << 4)
+            qa = tl.load(base + 4 + ci * 8 + k)
+            qb = tl.load(base + 8 + ci * 8 + k)
+            xw = sb * 64 + ci * 16 + k  # x word of column sb*256 + 64ci + 4k
+            i0 = tl.sum(_dp4a(qa & 0x0F0F0F0F, tl.load(ws_ptr + xw), ASM)
+                        + _dp4a(qb & 0x0F0F0F0F, tl.load(ws_ptr + xw + 4), ASM), axis=1, keep_dims=True)
+            i1 = tl.sum(_dp4a((qa >> 4) & 0x0F0F0F0F, tl.load(ws_ptr + xw + 8), ASM)
+                        + _dp4a((qb >> 4) & 0x0F0F0F0F, tl.load(ws_ptr + xw + 12), ASM), axis=1, keep_dims=True)
+            sub = sb * 8 + 2 * ci
+            acc += d * (_ifloat(sc0) * tl.load(dxp + sub) * _ifloat(i0)
+                        + _ifloat(sc1) * tl.load(dxp + sub + 1) * _ifloat(i1))
+            acc -= dmin * (_ifloat(mn0) * tl.load(sxp + sub) + _ifloat(mn1) * tl.load(sxp + sub + 1))
+    y = tl.sum(tl.reshape(acc, (BN, NB)), axis=1)
     _store_rows(y_ptr, b_ptr, y, rn, n_mask, N, HAS_BIAS, PARTIAL)
 
 
 @triton.jit
-def _x_q8_q6(x_ptr, sb, s: tl.constexpr):
-    """Plane s of Q6_K super-blocks sb [1, NSB, 1, 1, 1] of the activations (column sb*256 + 128h + 64s + 32tq
-    + 4v + b at word v, byte b of (h, tq)), quantized per 32 columns: int8 words [1, NSB, 2, 2, 8], each word's
-    sum of its four int8s (same shape), and the scale dx [1, NSB, 2, 2, 1]."""
-    h = tl.arange(0, 2)[None, None, :, None, None, None]
-    tq = tl.arange(0, 2)[None, None, None, :, None, None]
-    v = tl.arange(0, 8)[None, None, None, None, :, None]
-    b = tl.arange(0, 4)[None, None, None, None, None, :]
-    x = tl.load(x_ptr + (sb[:, :, :, :, :, None] * 256 + h * 128 + 64 * s + 32 * tq + 4 * v + b)).to(tl.float32)
-    amax = tl.max(tl.max(tl.abs(x), axis=5), axis=4, keep_dims=True)  # [1, NSB, 2, 2, 1]
-    val = x * (127.0 / tl.maximum(amax, 1e-30))[:, :, :, :, :, None]
-    q = tl.where(val >= 0, val + 0.5, val - 0.5).to(tl.int32)
-    return tl.sum((q & 0xFF) << (8 * b), axis=5), tl.sum(q, axis=5), amax / 127.0
+def _gemv_q6k_q8x_kernel(ws_ptr, w_ptr, b_ptr, y_ptr, N, K, n_split, row_words, HAS_BIAS: tl.constexpr,
+                         PARTIAL: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, ASM: tl.constexpr):
+    """One row of a Q6_K weight against the int8 workspace, one (row, super-block) pair a thread (words
+    funnel-shifted: every other 210-byte block starts 2 bytes into a word). Element 128h + 32g + 16a + 4k + b
+    of a block is nibble g >> 1 of ql byte 64h + 32(g & 1) + 16a + 4k + b with bits 2g..2g+1 of qh byte
+    32h + 16a + 4k + b; per 16 columns 4 dp4a summed in registers, less 32 x the int8 sum, times
+    d * scale * dx. Programs and splits as _gemv_words_kernel."""
+    R: tl.constexpr = BN * NB
+    r = tl.arange(0, R)
+    rn = tl.program_id(0) * BN + tl.arange(0, BN)
+    n_mask = rn < N
+    rows = tl.minimum(tl.program_id(0) * BN + r // NB, N - 1).to(tl.int64)
+    row = w_ptr.to(tl.pointer_type(tl.int32)) + rows[:, None] * row_words  # [R, 1]
+    k = tl.arange(0, 4)[None, :]
+    lo = tl.program_id(1) * n_split
+    dxp = (ws_ptr + K // 4).to(tl.pointer_type(tl.float32))
+    sqp = ws_ptr + K // 4 + K // 16
+    acc = tl.zeros((R, 1), dtype=tl.float32)
+    for g in range(lo, lo + n_split, NB):
+        sb = (g + r % NB)[:, None]  # [R, 1]
+        st = sb * 210
+        d = _h16w(tl.load(row + (st >> 2) + 52), (st & 2) != 0)
+        scw = _vword(row, st, 48 + k)  # the 16 int8 scales
+        for h in tl.static_range(2):
+            for a in tl.static_range(2):
+                qla = _vword(row, st, 16 * h + 4 * a + k)
+                qlb = _vword(row, st, 16 * h + 8 + 4 * a + k)
+                qhv = _vword(row, st, 32 + 8 * h + 4 * a + k)
+                for gq in tl.static_range(4):
+                    if gq == 0:
+                        u = (qla & 0x0F0F0F0F) | ((qhv << 4) & 0x30303030)
+                    elif gq == 1:
+                        u = (qlb & 0x0F0F0F0F) | ((qhv << 2) & 0x30303030)
+                    elif gq == 2:
+                        u = ((qla >> 4) & 0x0F0F0F0F) | (qhv & 0x30303030)
+                    else:
+                        u = ((qlb >> 4) & 0x0F0F0F0F) | ((qhv >> 2) & 0x30303030)
+                    xw = sb * 64 + h * 32 + 8 * gq + 4 * a + k
+                    dot = (tl.sum(_dp4a(u, tl.load(ws_ptr + xw), ASM), axis=1, keep_dims=True)
+                           - 32 * tl.load(sqp + sb * 16 + h * 8 + 2 * gq + a))
+                    i = 8 * h + 2 * gq + a  # scale byte
+                    sc = (_pick(scw, k, i // 4) << (24 - 8 * (i % 4))) >> 24
+                    acc += (d * tl.load(dxp + sb * 8 + h * 4 + gq)) * (_ifloat(sc) * _ifloat(dot))
+    y = tl.sum(tl.reshape(acc, (BN, NB)), axis=1)
+    _store_rows(y_ptr, b_ptr, y, rn, n_mask, N, HAS_BIAS, PARTIAL)
 
 
 @triton.jit
-def _gemv_q6k_i8_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, n_split, row_words, HAS_BIAS: tl.constexpr,
-                        PARTIAL: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, ASM: tl.constexpr):
-    """One activation row of a Q6_K weight with int8 activations: per word the four 6-bit values (nibble and
-    high bits OR-ed into each byte, 0..63) meet four int8s in a dp4a, less 32 x their sum (the -32 offset),
-    summed over the 16 columns that share a scale, then scaled. Programs and splits as _gemv_words_kernel."""
+def _gemv_q80_q8x_kernel(ws_ptr, w_ptr, b_ptr, y_ptr, N, K, n_split, row_words, HAS_BIAS: tl.constexpr,
+                         PARTIAL: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, ASM: tl.constexpr):
+    """One row of a Q8_0 weight against the int8 workspace: 8 dp4a a 32-column block, times d * dx."""
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     lo = tl.program_id(1) * n_split
     n_mask = rn < N
     rows = tl.minimum(rn, N - 1).to(tl.int64)
-    row = w_ptr.to(tl.pointer_type(tl.int32)) + rows[:, None, None, None, None] * row_words
-    tq = tl.arange(0, 2)[None, None, None, :, None]
-    grp = tl.arange(0, 2)[None, None, None, None, :]
-    acc = tl.zeros((BN, NB, 2, 2, 2), dtype=tl.float32)
+    row = w_ptr.to(tl.pointer_type(tl.int32)) + rows[:, None, None] * row_words
+    zero = (rn * 0)[:, None, None]  # x loads take the weights' shape: no layout conversions
+    v = tl.arange(0, 8)[None, None, :]
+    dxp = (ws_ptr + K // 4).to(tl.pointer_type(tl.float32))
+    acc = tl.zeros((BN, NB, 1), dtype=tl.float32)
     for g in range(lo, lo + n_split, NB):
-        sb = g + tl.arange(0, NB)[None, :, None, None, None]
-        ql, qh, sw0, sw1, d = _q6k_load(row, sb)
-        for s in tl.static_range(2):
-            xw, xs, dx = _x_q8_q6(x_ptr, sb, s)
-            u = ((ql >> (4 * s)) & 0x0F0F0F0F) | (((qh >> (4 * s)) & 0x03030303) << 4)
-            dot = _dp4a(u, tl.broadcast_to(xw, (BN, NB, 2, 2, 8)), ASM) - 32 * xs
-            dot = tl.sum(tl.reshape(dot, (BN, NB, 2, 2, 2, 4)), axis=5)  # per 16 columns: [BN, NB, h, tq, grp]
-            sw = sw0 if s == 0 else sw1
-            sc = ((sw << (24 - 8 * (2 * tq + grp))) >> 24).to(tl.float32)
-            acc += (d * dx) * sc * dot.to(tl.float32)
-    y = tl.sum(tl.sum(tl.sum(tl.sum(acc, axis=4), axis=3), axis=2), axis=1)
+        blk = g + tl.arange(0, NB)[None, :, None]
+        q, d = _q80_load(row, blk)
+        dot = tl.sum(_dp4a(q, tl.load(ws_ptr + zero + blk * 8 + v), ASM), axis=2, keep_dims=True)
+        acc += (d * tl.load(dxp + zero + blk)) * _ifloat(dot)
+    y = tl.sum(tl.sum(acc, axis=2), axis=1)
     _store_rows(y_ptr, b_ptr, y, rn, n_mask, N, HAS_BIAS, PARTIAL)
+
+
+@triton.jit
+def _qmm_q4k_q8x_kernel(ws_ptr, w_ptr, b_ptr, y_ptr, M, N, K, n_split, row_words, stride_ym,
+                        HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """A few activation rows (batched decode, verify blocks) of a Q4_K weight against their int8 workspaces:
+    per 32-column sub-block one int8 tensor-core dot of the rows' int8 x with the weights' nibbles (low
+    nibbles: sub-block 2ci, high: 2ci + 1), scaled by dx per row and d * scale per weight row, less the dmin
+    term on the exact sums of x. Program (i, 0, j) covers super-blocks j * n_split .. (j + 1) * n_split."""
+    rm = tl.arange(0, BM)
+    rn = tl.program_id(0) * BN + tl.arange(0, BN)
+    lo = tl.program_id(2) * n_split
+    m_ok = (rm < M)[:, None]
+    n_mask = rn < N
+    rows = tl.minimum(rn, N - 1).to(tl.int64)
+    wst = K // 4 + K // 8  # workspace words a row
+    xrow = ws_ptr.to(tl.pointer_type(tl.int8)) + (tl.minimum(rm, M - 1).to(tl.int64) * (4 * wst))[:, None]
+    dxrow = (ws_ptr + K // 4).to(tl.pointer_type(tl.float32)) + (tl.minimum(rm, M - 1) * wst)[:, None]
+    sxrow = (ws_ptr + K // 4 + K // 32).to(tl.pointer_type(tl.float32)) + (tl.minimum(rm, M - 1) * wst)[:, None]
+    w32 = w_ptr.to(tl.pointer_type(tl.int32)) + rows[None, :] * row_words  # [1, BN]
+    w8 = w_ptr + rows[None, :] * (4 * row_words)
+    j = tl.arange(0, 32)
+    kk = tl.arange(0, 4)[:, None]
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for sb in range(lo, lo + n_split):
+        hdr = tl.load(w32 + sb * 36 + kk)  # [4, BN]: d | dmin, the 3 scale words
+        w0 = tl.sum(tl.where(kk == 0, hdr, 0), axis=0, keep_dims=True)  # [1, BN]
+        s0 = tl.sum(tl.where(kk == 1, hdr, 0), axis=0, keep_dims=True)
+        s1 = tl.sum(tl.where(kk == 2, hdr, 0), axis=0, keep_dims=True)
+        s2 = tl.sum(tl.where(kk == 3, hdr, 0), axis=0, keep_dims=True)
+        d = _h16(w0, 0)
+        dmin = _h16(w0, 16)
+        for ci in tl.static_range(4):
+            if ci < 2:
+                sc0 = (s0 >> (16 * ci)) & 63
+                mn0 = (s1 >> (16 * ci)) & 63
+                sc1 = (s0 >> (16 * ci + 8)) & 63
+                mn1 = (s1 >> (16 * ci + 8)) & 63
+            else:
+                sh = 16 * (ci - 2)
+                sc0 = ((s2 >> sh) & 15) | (((s0 >> (sh + 6)) & 3) << 4)
+                mn0 = ((s2 >> (sh + 4)) & 15) | (((s1 >> (sh + 6)) & 3) << 4)
+                sc1 = ((s2 >> (sh + 8)) & 15) | (((s0 >> (sh + 14)) & 3) << 4)
+                mn1 = ((s2 >> (sh + 12)) & 15) | (((s1 >> (sh + 14)) & 3) << 4)
+            qb = tl.load(w8 + (sb * 144 + 16 + ci * 32) + j[:, None])  # [32, BN] bytes
+            xc = xrow + (sb * 256 + ci * 64) + j[None, :]
+            dlo = tl.dot(tl.load(xc), (qb & 15).to(tl.int8))  # [BM, BN] int32
+            dhi = tl.dot(tl.load(xc + 32), (qb >> 4).to(tl.int8))
+            sub = sb * 8 + 2 * ci
+            acc += dlo.to(tl.float32) * (tl.load(dxrow + sub) * (d * _ifloat(sc0)))
+            acc += dhi.to(tl.float32) * (tl.load(dxrow + sub + 1) * (d * _ifloat(sc1)))
+            acc -= tl.load(sxrow + sub) * (dmin * _ifloat(mn0)) + tl.load(sxrow + sub + 1) * (dmin * _ifloat(mn1))
+    if PARTIAL:
+        yp = y_ptr + (tl.program_id(2) * M + rm.to(tl.int64))[:, None] * N + rn[None, :]
+        tl.store(yp, acc, mask=m_ok & n_mask[None, :])
+    else:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        yp = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
+        tl.store(yp, acc.to(y_ptr.dtype.element_ty), mask=m_ok & n_mask[None, :])
+
+
+@triton.jit
+def _qmm_q6k_q8x_kernel(ws_ptr, w_ptr, b_ptr, y_ptr, M, N, K, n_split, row_words, stride_ym,
+                        HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """A few activation rows of a Q6_K weight against their int8 workspaces: per 32 columns (group g of half h:
+    ql byte 64h + 32(g & 1) + l, nibble g >> 1, with bits 2g..2g+1 of qh byte 32h + l) the 6-bit values less
+    32 as int8, one int8 tensor-core dot per 16-column scale (the other 16 columns zeroed: a dot is 32 deep),
+    times dx per row and d * scale per weight row. Programs as _qmm_q4k_q8x_kernel."""
+    rm = tl.arange(0, BM)
+    rn = tl.program_id(0) * BN + tl.arange(0, BN)
+    lo = tl.program_id(2) * n_split
+    m_ok = (rm < M)[:, None]
+    n_mask = rn < N
+    rows = tl.minimum(rn, N - 1).to(tl.int64)
+    wst = K // 4 + K // 8
+    xrow = ws_ptr.to(tl.pointer_type(tl.int8)) + (tl.minimum(rm, M - 1).to(tl.int64) * (4 * wst))[:, None]
+    dxrow = (ws_ptr + K // 4).to(tl.pointer_type(tl.float32)) + (tl.minimum(rm, M - 1) * wst)[:, None]
+    w8 = w_ptr + rows[None, :] * (4 * row_words)  # [1, BN]
+    j = tl.arange(0, 32)[:, None]  # [32, 1]: l
+    first = j < 16
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for sb in range(lo, lo + n_split):
+        blk = w8 + sb * 210
+        d = _f16(blk + 208, n_mask[None, :])  # [1, BN]
+        for h in tl.static_range(2):
+            qh = tl.load(blk + 128 + 32 * h + j).to(tl.int32)  # [32, BN]
+            for g in tl.static_range(4):
+                ql = tl.load(blk + 64 * h + 32 * (g & 1) + j).to(tl.int32)
+                v = (((ql >> (4 * (g >> 1))) & 15) | (((qh >> (2 * g)) & 3) << 4)) - 32
+                xg = tl.load(xrow + (sb * 256 + 128 * h + 32 * g) + tl.arange(0, 32)[None, :])  # [BM, 32]
+                dlo = tl.dot(xg, tl.where(first, v, 0).to(tl.int8))
+                dhi = tl.dot(xg, tl.where(first, 0, v).to(tl.int8))
+                sc0 = _i8(blk + 192 + 8 * h + 2 * g, n_mask[None, :])  # [1, BN]
+                sc1 = _i8(blk + 193 + 8 * h + 2 * g, n_mask[None, :])
+                dx = tl.load(dxrow + (sb * 8 + 4 * h + g))  # [BM, 1]
+                acc += (dlo.to(tl.float32) * sc0 + dhi.to(tl.float32) * sc1) * (dx * d)
+    if PARTIAL:
+        yp = y_ptr + (tl.program_id(2) * M + rm.to(tl.int64))[:, None] * N + rn[None, :]
+        tl.store(yp, acc, mask=m_ok & n_mask[None, :])
+    else:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        yp = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
+        tl.store(yp, acc.to(y_ptr.dtype.element_ty), mask=m_ok & n_mask[None, :])
 
 
 @triton.jit
@@ -664,13 +874,23 @@ WORD_TYPES = {"Q4_K": (5, 256), "Q6_K": (7, 256), "Q8_0": (4, 32)}
 GEMV_DEFAULT = {"Q4_K": (16, 1, 4, 4), "Q6_K": (8, 2, 4, 4), "Q8_0": (8, 2, 4, 1)}
 SMALL_DEFAULT = {"Q4_K": (64, 1, 4, 4), "Q6_K": (64, 1, 4, 4), "Q8_0": (64, 1, 4, 4)}
 GEMV_CANDIDATES = [(16, 1, 4, 4), (16, 1, 2, 4), (8, 2, 4, 4), (8, 2, 4, 1), (16, 1, 4, 1), (4, 2, 4, 1)]
-# The int8-activation gemvs (BN, NB, warps, split, "i8") of these types: tried beside the float ones, kept where
-# faster.
-I8_TYPES = ("Q4_K", "Q6_K")
-I8_CANDIDATES = [(16, 1, 4, 4, "i8"), (32, 1, 4, 4, "i8"), (32, 1, 4, 2, "i8"), (64, 1, 4, 2, "i8"),
-                 (16, 2, 4, 2, "i8"), (32, 1, 8, 1, "i8")]
+# The int8-activation gemvs (BN, NB, warps, split, "q8x"), tried beside the float ones and kept where faster. For
+# Q4_K / Q6_K, BN * NB is the number of (row, super-block) pairs a step, one a thread.
+Q8X_CANDIDATES = {
+    "Q4_K": [(32, 4, 4, 1, "q8x"), (64, 2, 4, 1, "q8x"), (16, 8, 4, 1, "q8x"), (8, 16, 4, 1, "q8x"),
+             (16, 4, 2, 1, "q8x"), (8, 8, 2, 1, "q8x"), (4, 16, 2, 1, "q8x"), (4, 8, 1, 1, "q8x"),
+             (16, 8, 4, 2, "q8x"), (32, 4, 4, 2, "q8x"), (8, 8, 2, 2, "q8x"), (64, 2, 4, 4, "q8x")],
+    "Q8_0": [(4, 2, 4, 1, "q8x"), (2, 4, 4, 1, "q8x"), (4, 4, 4, 1, "q8x"), (8, 2, 4, 1, "q8x"), (8, 1, 4, 4, "q8x"),
+             (16, 1, 4, 4, "q8x")],
+}
+Q8X_CANDIDATES["Q6_K"] = Q8X_CANDIDATES["Q4_K"]
 SMALL_CANDIDATES = [(64, 1, 4, 4), (64, 1, 4, 1), (64, 1, 4, 8), (32, 1, 4, 4)]
-Config = tuple  # (BN, NB, num_warps, split) or, for the int8-activation Q4_K gemv, (BN, NB, num_warps, split, "i8")
+# The int8 tensor-core small-batch kernels (Q4_K, Q6_K): (BN, 1, warps, split, "q8x").
+SMALL_Q8X_CANDIDATES = {"Q4_K": [(64, 1, 4, 4, "q8x"), (32, 1, 4, 4, "q8x"), (64, 1, 4, 2, "q8x"),
+                                 (128, 1, 4, 4, "q8x"), (32, 1, 4, 8, "q8x"), (64, 1, 8, 4, "q8x"),
+                                 (32, 1, 2, 4, "q8x")]}
+SMALL_Q8X_CANDIDATES["Q6_K"] = SMALL_Q8X_CANDIDATES["Q4_K"]
+Config = tuple  # (BN, NB, num_warps, split), with a fifth "q8x" for the int8-activation gemvs
 TUNED: dict[tuple[str, str, int, int], Config] = {}
 SMALL_BM = 16
 X_PAIRS = True
@@ -704,21 +924,26 @@ def _launch_words(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None, ou
     kind = "gemv" if m == 1 else "small"
     if cfg is None:
         cfg = TUNED.get((kind, w.qtype, n, k)) or (GEMV_DEFAULT if m == 1 else SMALL_DEFAULT)[w.qtype]
-    bn, nb, warps, split, *variant = cfg  # variant ("i8",): the int8-activation Q4_K gemv
+    bn, nb, warps, split, *variant = cfg  # variant ("q8x",): the int8-activation gemv
     nb = _blocks_per_step(w.qtype, n_blk, nb)
     while split > 1 and (n_blk // nb) % split:
         split -= 1
     b = bias if bias is not None else x
     y = torch.empty(split, m, n, device=x.device, dtype=torch.float32) if split > 1 else out
     common = dict(QTYPE=qid, HAS_BIAS=bias is not None, PARTIAL=split > 1, BN=bn, NB=nb, num_warps=warps)
-    if m == 1 and variant == ["i8"]:
-        kernel = {"Q4_K": _gemv_q4k_i8_kernel, "Q6_K": _gemv_q6k_i8_kernel}[w.qtype]
+    if m == 1 and variant == ["q8x"]:
+        kernel = {"Q4_K": _gemv_q4k_q8x_kernel, "Q6_K": _gemv_q6k_q8x_kernel, "Q8_0": _gemv_q80_q8x_kernel}[w.qtype]
         del common["QTYPE"]
-        kernel[(triton.cdiv(n, bn), split)](x, w.data, b, y, n, n_blk // split, w.data.shape[1] // 4, ASM=x.is_cuda,
-                                            **common)
+        kernel[(triton.cdiv(n, bn), split)](quantize_x(x), w.data, b, y, n, k, n_blk // split, w.data.shape[1] // 4,
+                                            ASM=x.is_cuda, **common)
     elif m == 1:
         _gemv_words_kernel[(triton.cdiv(n, bn), split)](x, w.data, b, y, n, n_blk // split, w.data.shape[1] // 4,
                                                         XBF16=X_PAIRS and x.dtype == torch.bfloat16, **common)
+    elif variant == ["q8x"]:  # Q4_K or Q6_K, 2 <= m <= SMALL_BM
+        kernel = {"Q4_K": _qmm_q4k_q8x_kernel, "Q6_K": _qmm_q6k_q8x_kernel}[w.qtype]
+        kernel[(triton.cdiv(n, bn), 1, split)](
+            quantize_x(x), w.data, b, y, m, n, k, n_blk // split, w.data.shape[1] // 4, out.stride(0),
+            HAS_BIAS=bias is not None, PARTIAL=split > 1, BM=SMALL_BM, BN=bn, num_warps=warps)
     else:
         grid = (triton.cdiv(n, bn), triton.cdiv(m, SMALL_BM), split)
         _qmm_words_kernel[grid](x, w.data, b, y, m, n, n_blk // split, x.stride(0), out.stride(0),
@@ -756,10 +981,15 @@ def warm_up(shapes: list[tuple[str, int, int]], rows: tuple[int, ...] = (1, SMAL
             ref = x.float() @ dense.T
             out = torch.empty(m, n, device=device, dtype=dtype)
             best: tuple[float, Config] | None = None
-            for cfg in (GEMV_CANDIDATES + (I8_CANDIDATES if qtype in I8_TYPES else [])) if m == 1 else SMALL_CANDIDATES:
+            for cfg in (GEMV_CANDIDATES + Q8X_CANDIDATES.get(qtype, [])) if m == 1 else (
+                    SMALL_CANDIDATES + SMALL_Q8X_CANDIDATES.get(qtype, [])):
                 try:
                     _launch_words(x, w, None, out, cfg)
                 except (CompilationError, OutOfResources):  # a config this GPU / Triton cannot build
+                    continue
+                except Exception as e:  # an internal compiler error: that candidate is skipped
+                    log.warning("quantized kernel config %s for %s %dx%d failed to build (%s: %s); skipped",
+                                cfg, qtype, n, k, type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
                     continue
                 if ((out[:, :check].float() - ref).norm() / ref.norm()).item() > 2e-2:
                     continue
