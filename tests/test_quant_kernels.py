@@ -223,7 +223,7 @@ def test_word_kernels_serve_only_shapes_warm_up_checked_on_cuda(monkeypatch) -> 
 def test_warm_up_never_keeps_a_config_that_computes_wrong(monkeypatch) -> None:
     """warm_up checks every candidate against the exact reference before timing it: a config whose result is
     wrong (as some compiled to on the H200) is dropped even when it is the fastest. Runs on the CPU too (the
-    interpreter, with the timer stubbed: triton's do_bench needs CUDA)."""
+    interpreter, with the timer stubbed: triton's do_bench_cudagraph needs CUDA)."""
     import triton.testing
 
     good, bad = (4, 1, 1, 1), (1, 1, 1, 1)
@@ -242,7 +242,7 @@ def test_warm_up_never_keeps_a_config_that_computes_wrong(monkeypatch) -> None:
     monkeypatch.setattr(qmm, "SMALL_Q8X_CANDIDATES", {})
     monkeypatch.setattr(qmm, "TUNED", {})
     calls = []
-    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: (calls.append(1), fn(), times[
+    monkeypatch.setattr(triton.testing, "do_bench_cudagraph", lambda fn, **kw: (calls.append(1), fn(), times[
         next(c for c in (good, bad) if fn.__defaults__[0] == c)])[-1])
     tuned = qmm.warm_up([("Q6_K", 24, 512)], device=DEVICE, dtype=DTYPE)
     assert tuned == {("gemv", "Q6_K", 24, 512): good}  # the only small candidate was wrong: none kept
@@ -324,7 +324,7 @@ def test_warm_up_keeps_the_int8_gemv_where_it_is_faster(monkeypatch) -> None:
     monkeypatch.setattr(qmm, "SMALL_Q8X_CANDIDATES", {})
     monkeypatch.setattr(qmm, "TUNED", {})
     times = {flt: 2.0, i8: 1.0}
-    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: (fn(), times[fn.__defaults__[0]])[-1])
+    monkeypatch.setattr(triton.testing, "do_bench_cudagraph", lambda fn, **kw: (fn(), times[fn.__defaults__[0]])[-1])
     assert qmm.warm_up([("Q4_K", 24, 512)], device=DEVICE, dtype=DTYPE) == {("gemv", "Q4_K", 24, 512): i8}
     w = random_weight("Q4_K", 24, 512, seed=12).to(DEVICE)
     x = torch.randn(1, 512, device=DEVICE).to(DTYPE)

@@ -961,7 +961,7 @@ def warm_up(shapes: list[tuple[str, int, int]], rows: tuple[int, ...] = (1, SMAL
     candidate launch config runs on random blocks of the shape, is checked against the exact dequantized
     matmul (a config the compiler got wrong is never kept) and timed; the fastest stays in TUNED, fixed from
     then on. Returns the configs chosen for these shapes."""
-    from triton.testing import do_bench
+    from triton.testing import do_bench_cudagraph
 
     done = {}
     for qtype, n, k in dict.fromkeys(shapes):
@@ -993,7 +993,9 @@ def warm_up(shapes: list[tuple[str, int, int]], rows: tuple[int, ...] = (1, SMAL
                     continue
                 if ((out[:, :check].float() - ref).norm() / ref.norm()).item() > 2e-2:
                     continue
-                t = do_bench(lambda c=cfg, x=x, w=w, o=out: _launch_words(x, w, None, o, c), warmup=5, rep=20)
+                # timed as a CUDA graph replays it, as decode runs: eager timing would charge the int8 kernels'
+                # second launch (the x quantization) ~20 us of Python each and never pick them
+                t = do_bench_cudagraph(lambda c=cfg, x=x, w=w, o=out: _launch_words(x, w, None, o, c), rep=20)
                 if best is None or t < best[0]:
                     best = (t, cfg)
             if best is not None:
