@@ -154,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: lazily, which is quicker for one prompt)")
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("bench", help="benchmarks (decode, serve, agent, spec, cache, pflash)")
+    p = sub.add_parser("bench", help="benchmarks (decode, qmm, serve, agent, spec, cache, pflash, spark)")
     bench = p.add_subparsers(dest="bench", required=True)
     b = bench.add_parser("decode", help="prefill and decode tok/s, this engine vs transformers")
     add_engine_args(b)
@@ -176,6 +176,15 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--mix", default="Q4_K_M", help="--shape: the weights' quant mix (Q4_K_M, Q8_0, F16)")
     b.add_argument("--json", type=Path, default=Path("bench_decode.json"), help="where to write the results")
     b.set_defaults(func=_lazy("lucebox.bench.decode", "main"))
+
+    b = bench.add_parser("qmm", help="the quantized matmul kernels alone (float and int8 families) vs bf16 cuBLAS, "
+                                     "per weight matrix of a model shape (CUDA)")
+    b.add_argument("--shape", default="qwen3-8b", help="a dense --shape of bench decode (default qwen3-8b)")
+    b.add_argument("--vocab", type=int, default=151_936, help="LM head rows (default: Qwen3's 151,936)")
+    b.add_argument("--types", default="Q4_K,Q6_K,Q8_0", help="comma-separated quant types (Q4_K, Q6_K, Q8_0)")
+    b.add_argument("--rows", default="1,16", help="activation rows: 1 (decode) and up to 16 (batches, verify)")
+    b.add_argument("--json", type=Path, default=Path("bench_qmm.json"), help="where to write the results")
+    b.set_defaults(func=_lazy("lucebox.bench.qmm", "main"))
 
     b = bench.add_parser("serve", help="serving throughput and latency: concurrent streaming requests over HTTP")
     add_engine_args(b)

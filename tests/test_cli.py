@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from lucebox import cli, procs
 
@@ -41,6 +42,17 @@ def test_two_different_models_is_one_line_and_exit_2(capsys):
     assert cli.main(["serve", "a.gguf", "--model", "b.gguf"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["lucebox: error: the model is given twice: 'a.gguf' and --model 'b.gguf' (give one)"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--rows", "1,40"], "bench qmm: --rows takes a comma-separated list of 1..16, not '1,40'"),
+    (["--types", "Q4_0"], "bench qmm: --types takes Q4_K, Q6_K, Q8_0, not 'Q4_0'"),
+    (["--shape", "nope"], "bench qmm: unknown --shape 'nope' (choose from qwen3-8b, qwen3-0.6b, tiny, tiny-scorer)"),
+] + ([] if torch.cuda.is_available() else [
+    ([], "bench qmm times the CUDA kernels: this machine has no CUDA device")]))
+def test_bench_qmm_bad_arguments_are_one_line_and_exit_2(capsys, argv, message):
+    assert cli.main(["bench", "qmm", *argv]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [f"lucebox: error: {message}"]
 
 
 def test_generate_takes_every_engine_flag_of_serve():

@@ -350,3 +350,33 @@ def test_int8_small_batch(qtype: str, m: int, cfg) -> None:
     bias = torch.randn(n, device=DEVICE).to(DTYPE)
     qmm._launch_words(x, w, bias, out, cfg)
     assert rel_err(out, reference(x, w, bias)) < 1.5e-2
+
+
+def test_bench_qmm_measures_every_matrix_type_and_row_count(monkeypatch, tmp_path) -> None:
+    """`bench qmm`'s loop on a tiny shape (the kernels under the interpreter on the CPU, the graph timer stubbed:
+    float kernels 2 ms, int8 ones 1 ms, cuBLAS 3 ms): a row per (matrix, type, rows) with both families timed,
+    the int8 kernel's bandwidth, and the JSON."""
+    import argparse
+    import json
+
+    import triton.testing
+
+    from lucebox.bench import qmm as bench_qmm
+
+    monkeypatch.setattr(qmm, "GEMV_CANDIDATES", [(4, 1, 1, 1)])
+    monkeypatch.setattr(qmm, "Q8X_CANDIDATES", {"Q4_K": [(4, 2, 1, 1, "q8x")], "Q6_K": [(4, 2, 1, 1, "q8x")],
+                                                "Q8_0": [(4, 1, 1, 1, "q8x")]})
+    monkeypatch.setattr(qmm, "SMALL_CANDIDATES", [(16, 1, 4, 1)])
+    monkeypatch.setattr(qmm, "SMALL_Q8X_CANDIDATES", {"Q4_K": [(16, 1, 4, 1, "q8x")], "Q6_K": [(16, 1, 4, 1, "q8x")]})
+    monkeypatch.setattr(triton.testing, "do_bench_cudagraph", lambda fn, **kw: (fn(), {4: 2.0, 5: 1.0}.get(
+        len(fn.__defaults__[0]) if fn.__defaults__ and isinstance(fn.__defaults__[0], tuple) else 0, 3.0))[-1])
+    mats = [m for m in bench_qmm.matrices("tiny", 512) if m[0] == "attn_q"]
+    out = tmp_path / "qmm.json"
+    args = argparse.Namespace(shape="tiny", json=out)
+    assert bench_qmm.run(args, ["Q4_K", "Q6_K", "Q8_0"], [1, 2], mats, torch.device(DEVICE)) == 0
+    results = json.loads(out.read_text())["results"]
+    assert len(results) == 3 * 2
+    for r in results:
+        assert r["cublas_bf16_us"] == 3000.0
+        assert r["float_us"] == 2000.0
+        assert r["int8_us"] == (None if r["qtype"] == "Q8_0" and r["rows"] == 2 else 1000.0)

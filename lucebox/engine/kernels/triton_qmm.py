@@ -869,8 +869,10 @@ Q4_1_GEMV = (4, 16, 1)
 WORD_TYPES = {"Q4_K": (5, 256), "Q6_K": (7, 256), "Q8_0": (4, 32)}
 # Launch configs of the word-wise kernels, (BN, NB, num_warps, split): defaults by type, and the ones `warm_up`
 # measured for a (kernel, type, rows, cols) shape (fixed from then on: nothing is tuned while serving).
-# Measured on the H200 over Qwen3-8B projections (.stage/qbench.py): Q4_K 0.75-1.25 TB/s, Q6_K 0.96-1.5 TB/s at
-# one row; 0.36-0.48 TB/s at 16 rows (slice-dequantize + cuBLAS: ~0.27).
+# Measured on the H200 over Qwen3-8B matrices in CUDA graphs (2026-12-03; `bench qmm` reruns it), best float / int8
+# config: one row Q4_K 4096x4096 9.9 / 8.3 us, 24576x4096 45.7 / 27.4 us (1.24 / 2.07 TB/s), Q6_K 151936x4096
+# 290 / 236 us, Q8_0 24576x4096 68 / 31 us (1.58 / 3.41 TB/s); 16 rows Q4_K 24576x4096 117 / 76 us, Q6_K
+# 151936x4096 1,607 / 717 us. bf16 cuBLAS on the dense weight: 3.3-4.1 TB/s.
 GEMV_DEFAULT = {"Q4_K": (16, 1, 4, 4), "Q6_K": (8, 2, 4, 4), "Q8_0": (8, 2, 4, 1)}
 SMALL_DEFAULT = {"Q4_K": (64, 1, 4, 4), "Q6_K": (64, 1, 4, 4), "Q8_0": (64, 1, 4, 4)}
 GEMV_CANDIDATES = [(16, 1, 4, 4), (16, 1, 2, 4), (8, 2, 4, 4), (8, 2, 4, 1), (16, 1, 4, 1), (4, 2, 4, 1)]
@@ -953,6 +955,49 @@ def _launch_words(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None, ou
                                                       HAS_BIAS=bias is not None, BLOCK=1024, num_warps=4)
 
 
+def random_weight(qtype: str, n: int, k: int, device: torch.device | str, dtype: torch.dtype) -> QuantWeight:
+    """Random blocks of a [n, k] weight with finite fp16 scales (2**-10): what the tuner and `bench qmm` time."""
+    data = torch.randint(0, 256, (n, row_bytes(qtype, k)), dtype=torch.uint8, device=device)
+    scale = {"Q4_K": (0, 4), "Q6_K": (208, 210), "Q8_0": (0, 2)}[qtype]
+    blocks = data.view(-1, FORMATS[qtype][1])
+    blocks[:, scale[0]:scale[1]] = torch.tensor([0, 0x14], dtype=torch.uint8, device=device).repeat(
+        (scale[1] - scale[0]) // 2)
+    return QuantWeight(data, qtype, k, dtype)
+
+
+def candidates(qtype: str, m: int) -> list[Config]:
+    """The launch configs the tuner tries for `m` activation rows: the float kernels', then the int8 ones'."""
+    if m == 1:
+        return GEMV_CANDIDATES + Q8X_CANDIDATES.get(qtype, [])
+    return SMALL_CANDIDATES + SMALL_Q8X_CANDIDATES.get(qtype, [])
+
+
+def time_candidates(x: torch.Tensor, w: QuantWeight, configs: list[Config]) -> list[tuple[Config, float]]:
+    """(config, milliseconds) of each config that builds and matches the exact dequantized product (within 2%
+    relative, on at most 2,048 weight rows), timed as a CUDA graph replays it, as decode runs: eager timing
+    would charge the int8 kernels' second launch (the x quantization) ~20 us of Python and never pick them."""
+    from triton.testing import do_bench_cudagraph
+
+    n = w.data.shape[0]
+    check = min(n, 2048)  # rows compared with the exact reference (bounded memory for an LM head)
+    ref = x.float() @ QuantWeight(w.data[:check], w.qtype, w.cols).dequantize().T
+    out = torch.empty(x.shape[0], n, device=x.device, dtype=x.dtype)
+    timed = []
+    for cfg in configs:
+        try:
+            _launch_words(x, w, None, out, cfg)
+        except (CompilationError, OutOfResources):  # a config this GPU / Triton cannot build
+            continue
+        except Exception as e:  # an internal compiler error: that candidate is skipped
+            log.warning("quantized kernel config %s for %s %dx%d failed to build (%s: %s); skipped",
+                        cfg, w.qtype, n, w.cols, type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
+            continue
+        if ((out[:, :check].float() - ref).norm() / ref.norm()).item() > 2e-2:
+            continue
+        timed.append((cfg, do_bench_cudagraph(lambda c=cfg: _launch_words(x, w, None, out, c), rep=20)))
+    return timed
+
+
 def warm_up(shapes: list[tuple[str, int, int]], rows: tuple[int, ...] = (1, SMALL_BM),
             device: torch.device | str = "cuda", dtype: torch.dtype = torch.bfloat16
             ) -> dict[tuple[str, str, int, int], Config]:
@@ -961,46 +1006,17 @@ def warm_up(shapes: list[tuple[str, int, int]], rows: tuple[int, ...] = (1, SMAL
     candidate launch config runs on random blocks of the shape, is checked against the exact dequantized
     matmul (a config the compiler got wrong is never kept) and timed; the fastest stays in TUNED, fixed from
     then on. Returns the configs chosen for these shapes."""
-    from triton.testing import do_bench_cudagraph
-
     done = {}
     for qtype, n, k in dict.fromkeys(shapes):
         if qtype not in WORD_TYPES or row_bytes(qtype, k) % 4:
             continue
-        data = torch.randint(0, 256, (n, row_bytes(qtype, k)), dtype=torch.uint8, device=device)
-        scale = {"Q4_K": (0, 4), "Q6_K": (208, 210), "Q8_0": (0, 2)}[qtype]  # finite fp16 scales: 2**-10
-        blocks = data.view(-1, FORMATS[qtype][1])
-        blocks[:, scale[0]:scale[1]] = torch.tensor([0, 0x14], dtype=torch.uint8, device=device).repeat(
-            (scale[1] - scale[0]) // 2)
-        w = QuantWeight(data, qtype, k, dtype)
-        check = min(n, 2048)  # rows compared with the exact reference (bounded memory for an LM head)
-        dense = QuantWeight(data[:check], qtype, k).dequantize()
+        w = random_weight(qtype, n, k, device, dtype)
         for m in rows:
-            kind = "gemv" if m == 1 else "small"
-            x = torch.randn(m, k, device=device, dtype=dtype)
-            ref = x.float() @ dense.T
-            out = torch.empty(m, n, device=device, dtype=dtype)
-            best: tuple[float, Config] | None = None
-            for cfg in (GEMV_CANDIDATES + Q8X_CANDIDATES.get(qtype, [])) if m == 1 else (
-                    SMALL_CANDIDATES + SMALL_Q8X_CANDIDATES.get(qtype, [])):
-                try:
-                    _launch_words(x, w, None, out, cfg)
-                except (CompilationError, OutOfResources):  # a config this GPU / Triton cannot build
-                    continue
-                except Exception as e:  # an internal compiler error: that candidate is skipped
-                    log.warning("quantized kernel config %s for %s %dx%d failed to build (%s: %s); skipped",
-                                cfg, qtype, n, k, type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
-                    continue
-                if ((out[:, :check].float() - ref).norm() / ref.norm()).item() > 2e-2:
-                    continue
-                # timed as a CUDA graph replays it, as decode runs: eager timing would charge the int8 kernels'
-                # second launch (the x quantization) ~20 us of Python each and never pick them
-                t = do_bench_cudagraph(lambda c=cfg, x=x, w=w, o=out: _launch_words(x, w, None, o, c), rep=20)
-                if best is None or t < best[0]:
-                    best = (t, cfg)
-            if best is not None:
-                TUNED[kind, qtype, n, k] = done[kind, qtype, n, k] = best[1]
-        del data, w, dense
+            timed = time_candidates(torch.randn(m, k, device=device, dtype=dtype), w, candidates(qtype, m))
+            if timed:
+                kind = "gemv" if m == 1 else "small"
+                TUNED[kind, qtype, n, k] = done[kind, qtype, n, k] = min(timed, key=lambda ct: ct[1])[0]
+        del w
     return done
 
 
