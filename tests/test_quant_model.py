@@ -115,3 +115,13 @@ def test_auto_weights_policy_weighs_the_dense_copy_against_the_gpu_memory_cap():
     assert prefer_quantized(16 * gb, free_bytes=139 * gb, cap_bytes=24 * gb)
     assert prefer_quantized(16 * gb, free_bytes=20 * gb, cap_bytes=64 * gb)  # the smaller of the two
     assert not prefer_quantized(4 * gb, free_bytes=139 * gb, cap_bytes=24 * gb)
+
+
+def test_the_tuners_choice_is_summarized_for_the_log() -> None:
+    """The start-up log line and `bench decode` say how many tuned shapes run the int8-activation kernels."""
+    from lucebox.engine.weights.quant import linear
+
+    tuned = {("gemv", "Q4_K", 4096, 4096): (64, 2, 4, 4, "q8x"), ("gemv", "Q6_K", 1024, 4096): (8, 2, 4, 4),
+             ("small", "Q4_K", 4096, 4096): (128, 1, 4, 4, "q8x")}
+    assert linear.summary(tuned) == "3 (path, type, shape) cases, 2 of them on the int8-activation kernels"
+    assert linear.summary({}) == "0 (path, type, shape) cases, 0 of them on the int8-activation kernels"

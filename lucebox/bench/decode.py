@@ -259,7 +259,7 @@ def _run(args: argparse.Namespace) -> int:
     hf = None if args.no_hf else load_hf(engine.loaded.path, engine)
     tuned = quant_linear.warm_up(engine.loaded.model)  # start-up: tune + check the quantized kernels (CUDA)
     if tuned:
-        print(f"tuned the quantized kernels for {len(tuned)} (path, type, shape) cases", flush=True)
+        print(f"tuned the quantized kernels: {quant_linear.summary(tuned)}", flush=True)
     copy_bw = copy_bandwidth(device)
     rows: list[list[Any]] = []
     results: list[dict[str, Any]] = []

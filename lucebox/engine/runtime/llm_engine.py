@@ -468,7 +468,9 @@ class LLMEngine:
         """Pick the quantized matmul kernels' launch configs for this model's weight shapes (timed once)."""
         from lucebox.engine.weights.quant import linear
 
-        linear.warm_up(self.loaded.model)
+        tuned = linear.warm_up(self.loaded.model)
+        if tuned:
+            log.info("quantized kernels tuned: %s", linear.summary(tuned))
 
     @property
     def captures_after_ready(self) -> int:

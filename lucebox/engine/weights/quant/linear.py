@@ -41,6 +41,12 @@ def warm_up(model: torch.nn.Module) -> dict:
         m.dtype for m in model.modules() if getattr(m, "qtype", None) is not None))
 
 
+def summary(tuned: dict) -> str:
+    """What `warm_up` chose, in a few words: how many weight shapes and paths, how many on int8 activations."""
+    int8 = sum(1 for cfg in tuned.values() if "q8x" in cfg)
+    return f"{len(tuned)} (path, type, shape) cases, {int8} of them on the int8-activation kernels"
+
+
 def qlinear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
             out: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ dequantize(w).T (+ bias) -> [..., N] in x's dtype.
