@@ -331,11 +331,11 @@ def test_warm_up_keeps_the_int8_gemv_where_it_is_faster(monkeypatch) -> None:
     assert rel_err(qmm.qmatmul(x, w), i8_reference(x, w).to(DEVICE)) < (1e-2 if CUDA else 1e-6)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0"])
 @pytest.mark.parametrize("m", [2, 5, 16])
 @pytest.mark.parametrize("cfg", [(16, 1, 4, 1, "q8x"), (32, 1, 4, 2, "q8x")])
 def test_int8_small_batch(qtype: str, m: int, cfg) -> None:
-    """The Q4_K / Q6_K small-batch kernels with int8 activations (int8 tensor-core dots) equal, row by row, the
+    """The Q4_K / Q6_K / Q8_0 small-batch kernels with int8 activations (int8 tensor-core dots) equal, row by row, the
     int8-activation arithmetic in torch, and stay within bf16-like error of the exact product; split-K, bias,
     rows not a multiple of the program's."""
     n, k = 40, 256 * 4

@@ -6,7 +6,7 @@ Paths, by type and the number of activation rows M (qmatmul picks):
   fp32 by mantissa tricks, bf16 x read 4 columns per word, fp32 FMAs), or the int8-activation gemvs
   (_gemv_*_q8x_kernel: x quantized once per call by _quant_x_kernel, 4 weights a dp4a); 2 <= M <= SMALL_BM:
   _qmm_words_kernel (the same word loads, each bit plane fed to a bf16 tensor-core dot with all M rows) or,
-  for Q4_K / Q6_K, _qmm_q4k_q8x_kernel / _qmm_q6k_q8x_kernel (int8 tensor-core dots with int8 x). All split
+  _qmm_q4k/q6k/q80_q8x_kernel (int8 tensor-core dots with int8 x). All split
   the columns over `split` programs when that fills the GPU better (fp32 partials, then _splitk_sum_kernel:
   no atomics).
   Launch configs: GEMV_DEFAULT / SMALL_DEFAULT, or the fastest correct candidate `warm_up` measured for the
@@ -769,6 +769,39 @@ def _qmm_q6k_q8x_kernel(ws_ptr, w_ptr, b_ptr, y_ptr, M, N, K, n_split, row_words
 
 
 @triton.jit
+def _qmm_q80_q8x_kernel(ws_ptr, w_ptr, b_ptr, y_ptr, M, N, K, n_split, row_words, stride_ym,
+                        HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """A few activation rows of a Q8_0 weight against their int8 workspaces: per 32-column block one int8
+    tensor-core dot of the rows' int8 x with the block's int8 weights, times dx per row and d per weight row.
+    Programs as _qmm_q4k_q8x_kernel (n_split counts 32-column blocks)."""
+    rm = tl.arange(0, BM)
+    rn = tl.program_id(0) * BN + tl.arange(0, BN)
+    lo = tl.program_id(2) * n_split
+    m_ok = (rm < M)[:, None]
+    n_mask = rn < N
+    rows = tl.minimum(rn, N - 1).to(tl.int64)
+    wst = K // 4 + K // 8
+    xrow = ws_ptr.to(tl.pointer_type(tl.int8)) + (tl.minimum(rm, M - 1).to(tl.int64) * (4 * wst))[:, None]
+    dxrow = (ws_ptr + K // 4).to(tl.pointer_type(tl.float32)) + (tl.minimum(rm, M - 1) * wst)[:, None]
+    w8 = w_ptr + rows[None, :] * (4 * row_words)  # [1, BN]
+    j = tl.arange(0, 32)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for blk in range(lo, lo + n_split):
+        q = tl.load((w8 + blk * 34 + 2) + j[:, None]).to(tl.int8, bitcast=True)  # [32, BN]
+        dot = tl.dot(tl.load(xrow + blk * 32 + j[None, :]), q)  # [BM, BN] int32
+        d = _f16(w8 + blk * 34, n_mask[None, :])  # [1, BN]
+        acc += dot.to(tl.float32) * (tl.load(dxrow + blk) * d)
+    if PARTIAL:
+        yp = y_ptr + (tl.program_id(2) * M + rm.to(tl.int64))[:, None] * N + rn[None, :]
+        tl.store(yp, acc, mask=m_ok & n_mask[None, :])
+    else:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        yp = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
+        tl.store(yp, acc.to(y_ptr.dtype.element_ty), mask=m_ok & n_mask[None, :])
+
+
+@triton.jit
 def _dot_plane(acc, w, xrow, xo, m_mask, BM: tl.constexpr, BN: tl.constexpr, E: tl.constexpr):
     """acc [BM, BN] += x[:, xo] @ w.T for one plane: w [BN, ...] and offsets xo [1, ...] of E elements."""
     x = tl.load(xrow + tl.reshape(xo, (1, E)), mask=m_mask, other=0.0)
@@ -887,11 +920,11 @@ Q8X_CANDIDATES = {
 }
 Q8X_CANDIDATES["Q6_K"] = Q8X_CANDIDATES["Q4_K"]
 SMALL_CANDIDATES = [(64, 1, 4, 4), (64, 1, 4, 1), (64, 1, 4, 8), (32, 1, 4, 4)]
-# The int8 tensor-core small-batch kernels (Q4_K, Q6_K): (BN, 1, warps, split, "q8x").
+# The int8 tensor-core small-batch kernels (Q4_K, Q6_K, Q8_0): (BN, 1, warps, split, "q8x").
 SMALL_Q8X_CANDIDATES = {"Q4_K": [(64, 1, 4, 4, "q8x"), (32, 1, 4, 4, "q8x"), (64, 1, 4, 2, "q8x"),
                                  (128, 1, 4, 4, "q8x"), (32, 1, 4, 8, "q8x"), (64, 1, 8, 4, "q8x"),
                                  (32, 1, 2, 4, "q8x")]}
-SMALL_Q8X_CANDIDATES["Q6_K"] = SMALL_Q8X_CANDIDATES["Q4_K"]
+SMALL_Q8X_CANDIDATES["Q6_K"] = SMALL_Q8X_CANDIDATES["Q8_0"] = SMALL_Q8X_CANDIDATES["Q4_K"]
 Config = tuple  # (BN, NB, num_warps, split), with a fifth "q8x" for the int8-activation gemvs
 TUNED: dict[tuple[str, str, int, int], Config] = {}
 SMALL_BM = 16
@@ -941,8 +974,8 @@ def _launch_words(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None, ou
     elif m == 1:
         _gemv_words_kernel[(triton.cdiv(n, bn), split)](x, w.data, b, y, n, n_blk // split, w.data.shape[1] // 4,
                                                         XBF16=X_PAIRS and x.dtype == torch.bfloat16, **common)
-    elif variant == ["q8x"]:  # Q4_K or Q6_K, 2 <= m <= SMALL_BM
-        kernel = {"Q4_K": _qmm_q4k_q8x_kernel, "Q6_K": _qmm_q6k_q8x_kernel}[w.qtype]
+    elif variant == ["q8x"]:  # 2 <= m <= SMALL_BM
+        kernel = {"Q4_K": _qmm_q4k_q8x_kernel, "Q6_K": _qmm_q6k_q8x_kernel, "Q8_0": _qmm_q80_q8x_kernel}[w.qtype]
         kernel[(triton.cdiv(n, bn), 1, split)](
             quantize_x(x), w.data, b, y, m, n, k, n_blk // split, w.data.shape[1] // 4, out.stride(0),
             HAS_BIAS=bias is not None, PARTIAL=split > 1, BM=SMALL_BM, BN=bn, num_warps=warps)
