@@ -410,6 +410,21 @@ def _store_rows(y_ptr, b_ptr, y, rn, n_mask, N, HAS_BIAS: tl.constexpr, PARTIAL:
 
 
 @triton.jit
+def _store_tile(y_ptr, b_ptr, acc, rm, rn, m_ok, n_mask, M, N, stride_ym, HAS_BIAS: tl.constexpr,
+                PARTIAL: tl.constexpr):
+    """A small-batch kernel's [BM, BN] outputs: fp32 partial sums [j, M, N] of split program_id(2) (PARTIAL,
+    added up by _splitk_sum_kernel), else plus the bias, in the output's dtype through its row stride."""
+    mask = m_ok & n_mask[None, :]
+    if PARTIAL:
+        tl.store(y_ptr + (tl.program_id(2) * M + rm.to(tl.int64))[:, None] * N + rn[None, :], acc, mask=mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=mask)
+
+
+@triton.jit
 def _gemv_words_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, n_split, row_words, QTYPE: tl.constexpr,
                        XBF16: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, BN: tl.constexpr,
                        NB: tl.constexpr):
@@ -540,6 +555,25 @@ def quantize_x(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def _q4k_chunk_scales(s0, s1, s2, ci: tl.constexpr):
+    """The 6-bit scales and mins of sub-blocks 2ci and 2ci + 1 (chunk ci, a compile-time constant) from a Q4_K
+    block's three scale words, as int32: (sc0, mn0, sc1, mn1). `_q4k_scales` is the same decode for a tensor
+    of chunks."""
+    if ci < 2:
+        sc0 = (s0 >> (16 * ci)) & 63
+        mn0 = (s1 >> (16 * ci)) & 63
+        sc1 = (s0 >> (16 * ci + 8)) & 63
+        mn1 = (s1 >> (16 * ci + 8)) & 63
+    else:
+        sh = 16 * (ci - 2)
+        sc0 = ((s2 >> sh) & 15) | (((s0 >> (sh + 6)) & 3) << 4)
+        mn0 = ((s2 >> (sh + 4)) & 15) | (((s1 >> (sh + 6)) & 3) << 4)
+        sc1 = ((s2 >> (sh + 8)) & 15) | (((s0 >> (sh + 14)) & 3) << 4)
+        mn1 = ((s2 >> (sh + 12)) & 15) | (((s1 >> (sh + 14)) & 3) << 4)
+    return sc0, mn0, sc1, mn1
+
+
+@triton.jit
 def _gemv_q4k_q8x_kernel(ws_ptr, w_ptr, b_ptr, y_ptr, N, K, n_split, row_words, HAS_BIAS: tl.constexpr,
                          PARTIAL: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, ASM: tl.constexpr):
     """One row of a Q4_K weight against the int8 workspace: BN rows x NB super-blocks a step, one (row,
@@ -567,17 +601,7 @@ def _gemv_q4k_q8x_kernel(ws_ptr, w_ptr, b_ptr, y_ptr, N, K, n_split, row_words, 
         d = _h16(w0, 0)
         dmin = _h16(w0, 16)
         for ci in tl.static_range(4):  # chunk ci: 32 bytes, sub-blocks 2ci (low nibbles) and 2ci + 1 (high)
-            if ci < 2:
-                sc0 = (s0 >> (16 * ci)) & 63
-                mn0 = (s1 >> (16 * ci)) & 63
-                sc1 = (s0 >> (16 * ci + 8)) & 63
-                mn1 = (s1 >> (16 * ci + 8)) & 63
-            else:
-                sh = 16 * (ci - 2)
-                sc0 = ((s2 >> sh) & 15) | (((s0 >> (sh + 6)) & 3) << 4)
-                mn0 = ((s2 >> (sh + 4)) & 15) | (((s1 >> (sh + 6)) & 3) << 4)
-                sc1 = ((s2 >> (sh + 8)) & 15) | (((s0 >> (sh + 14)) & 3) << 4)
-                mn1 = ((s2 >> (sh + 12)) & 15) | (((s1 >> (sh + 14)) & 3) << 4)
+            sc0, mn0, sc1, mn1 = _q4k_chunk_scales(s0, s1, s2, ci)
             qa = tl.load(base + 4 + ci * 8 + k)
             qb = tl.load(base + 8 + ci * 8 + k)
             xw = sb * 64 + ci * 16 + k  # x word of column sb*256 + 64ci + 4k
@@ -664,6 +688,15 @@ def _gemv_q80_q8x_kernel(ws_ptr, w_ptr, b_ptr, y_ptr, N, K, n_split, row_words, 
 
 
 @triton.jit
+def _ws_rows(ws_ptr, rm, M, K):
+    """Pointers [BM, 1] to activation rows rm's workspaces (rows past M read row M - 1; their outputs are
+    masked): the int8 x (bytes), dx, and the exact sums of x per 32 columns."""
+    row = tl.minimum(rm, M - 1).to(tl.int64)[:, None] * (K // 4 + K // 8)  # workspace words a row
+    return ((ws_ptr + row).to(tl.pointer_type(tl.int8)), (ws_ptr + row + K // 4).to(tl.pointer_type(tl.float32)),
+            (ws_ptr + row + K // 4 + K // 32).to(tl.pointer_type(tl.float32)))
+
+
+@triton.jit
 def _qmm_q4k_q8x_kernel(ws_ptr, w_ptr, b_ptr, y_ptr, M, N, K, n_split, row_words, stride_ym,
                         HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
     """A few activation rows (batched decode, verify blocks) of a Q4_K weight against their int8 workspaces:
@@ -676,10 +709,7 @@ def _qmm_q4k_q8x_kernel(ws_ptr, w_ptr, b_ptr, y_ptr, M, N, K, n_split, row_words
     m_ok = (rm < M)[:, None]
     n_mask = rn < N
     rows = tl.minimum(rn, N - 1).to(tl.int64)
-    wst = K // 4 + K // 8  # workspace words a row
-    xrow = ws_ptr.to(tl.pointer_type(tl.int8)) + (tl.minimum(rm, M - 1).to(tl.int64) * (4 * wst))[:, None]
-    dxrow = (ws_ptr + K // 4).to(tl.pointer_type(tl.float32)) + (tl.minimum(rm, M - 1) * wst)[:, None]
-    sxrow = (ws_ptr + K // 4 + K // 32).to(tl.pointer_type(tl.float32)) + (tl.minimum(rm, M - 1) * wst)[:, None]
+    xrow, dxrow, sxrow = _ws_rows(ws_ptr, rm, M, K)
     w32 = w_ptr.to(tl.pointer_type(tl.int32)) + rows[None, :] * row_words  # [1, BN]
     w8 = w_ptr + rows[None, :] * (4 * row_words)
     j = tl.arange(0, 32)
@@ -694,17 +724,7 @@ def _qmm_q4k_q8x_kernel(ws_ptr, w_ptr, b_ptr, y_ptr, M, N, K, n_split, row_words
         d = _h16(w0, 0)
         dmin = _h16(w0, 16)
         for ci in tl.static_range(4):
-            if ci < 2:
-                sc0 = (s0 >> (16 * ci)) & 63
-                mn0 = (s1 >> (16 * ci)) & 63
-                sc1 = (s0 >> (16 * ci + 8)) & 63
-                mn1 = (s1 >> (16 * ci + 8)) & 63
-            else:
-                sh = 16 * (ci - 2)
-                sc0 = ((s2 >> sh) & 15) | (((s0 >> (sh + 6)) & 3) << 4)
-                mn0 = ((s2 >> (sh + 4)) & 15) | (((s1 >> (sh + 6)) & 3) << 4)
-                sc1 = ((s2 >> (sh + 8)) & 15) | (((s0 >> (sh + 14)) & 3) << 4)
-                mn1 = ((s2 >> (sh + 12)) & 15) | (((s1 >> (sh + 14)) & 3) << 4)
+            sc0, mn0, sc1, mn1 = _q4k_chunk_scales(s0, s1, s2, ci)
             qb = tl.load(w8 + (sb * 144 + 16 + ci * 32) + j[:, None])  # [32, BN] bytes
             xc = xrow + (sb * 256 + ci * 64) + j[None, :]
             dlo = tl.dot(tl.load(xc), (qb & 15).to(tl.int8))  # [BM, BN] int32
@@ -713,14 +733,7 @@ def _qmm_q4k_q8x_kernel(ws_ptr, w_ptr, b_ptr, y_ptr, M, N, K, n_split, row_words
             acc += dlo.to(tl.float32) * (tl.load(dxrow + sub) * (d * _ifloat(sc0)))
             acc += dhi.to(tl.float32) * (tl.load(dxrow + sub + 1) * (d * _ifloat(sc1)))
             acc -= tl.load(sxrow + sub) * (dmin * _ifloat(mn0)) + tl.load(sxrow + sub + 1) * (dmin * _ifloat(mn1))
-    if PARTIAL:
-        yp = y_ptr + (tl.program_id(2) * M + rm.to(tl.int64))[:, None] * N + rn[None, :]
-        tl.store(yp, acc, mask=m_ok & n_mask[None, :])
-    else:
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        yp = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
-        tl.store(yp, acc.to(y_ptr.dtype.element_ty), mask=m_ok & n_mask[None, :])
+    _store_tile(y_ptr, b_ptr, acc, rm, rn, m_ok, n_mask, M, N, stride_ym, HAS_BIAS, PARTIAL)
 
 
 @triton.jit
@@ -736,9 +749,7 @@ def _qmm_q6k_q8x_kernel(ws_ptr, w_ptr, b_ptr, y_ptr, M, N, K, n_split, row_words
     m_ok = (rm < M)[:, None]
     n_mask = rn < N
     rows = tl.minimum(rn, N - 1).to(tl.int64)
-    wst = K // 4 + K // 8
-    xrow = ws_ptr.to(tl.pointer_type(tl.int8)) + (tl.minimum(rm, M - 1).to(tl.int64) * (4 * wst))[:, None]
-    dxrow = (ws_ptr + K // 4).to(tl.pointer_type(tl.float32)) + (tl.minimum(rm, M - 1) * wst)[:, None]
+    xrow, dxrow, _ = _ws_rows(ws_ptr, rm, M, K)
     w8 = w_ptr + rows[None, :] * (4 * row_words)  # [1, BN]
     j = tl.arange(0, 32)[:, None]  # [32, 1]: l
     first = j < 16
@@ -758,14 +769,7 @@ def _qmm_q6k_q8x_kernel(ws_ptr, w_ptr, b_ptr, y_ptr, M, N, K, n_split, row_words
                 sc1 = _i8(blk + 193 + 8 * h + 2 * g, n_mask[None, :])
                 dx = tl.load(dxrow + (sb * 8 + 4 * h + g))  # [BM, 1]
                 acc += (dlo.to(tl.float32) * sc0 + dhi.to(tl.float32) * sc1) * (dx * d)
-    if PARTIAL:
-        yp = y_ptr + (tl.program_id(2) * M + rm.to(tl.int64))[:, None] * N + rn[None, :]
-        tl.store(yp, acc, mask=m_ok & n_mask[None, :])
-    else:
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        yp = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
-        tl.store(yp, acc.to(y_ptr.dtype.element_ty), mask=m_ok & n_mask[None, :])
+    _store_tile(y_ptr, b_ptr, acc, rm, rn, m_ok, n_mask, M, N, stride_ym, HAS_BIAS, PARTIAL)
 
 
 @triton.jit
@@ -780,9 +784,7 @@ def _qmm_q80_q8x_kernel(ws_ptr, w_ptr, b_ptr, y_ptr, M, N, K, n_split, row_words
     m_ok = (rm < M)[:, None]
     n_mask = rn < N
     rows = tl.minimum(rn, N - 1).to(tl.int64)
-    wst = K // 4 + K // 8
-    xrow = ws_ptr.to(tl.pointer_type(tl.int8)) + (tl.minimum(rm, M - 1).to(tl.int64) * (4 * wst))[:, None]
-    dxrow = (ws_ptr + K // 4).to(tl.pointer_type(tl.float32)) + (tl.minimum(rm, M - 1) * wst)[:, None]
+    xrow, dxrow, _ = _ws_rows(ws_ptr, rm, M, K)
     w8 = w_ptr + rows[None, :] * (4 * row_words)  # [1, BN]
     j = tl.arange(0, 32)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
@@ -791,14 +793,7 @@ def _qmm_q80_q8x_kernel(ws_ptr, w_ptr, b_ptr, y_ptr, M, N, K, n_split, row_words
         dot = tl.dot(tl.load(xrow + blk * 32 + j[None, :]), q)  # [BM, BN] int32
         d = _f16(w8 + blk * 34, n_mask[None, :])  # [1, BN]
         acc += dot.to(tl.float32) * (tl.load(dxrow + blk) * d)
-    if PARTIAL:
-        yp = y_ptr + (tl.program_id(2) * M + rm.to(tl.int64))[:, None] * N + rn[None, :]
-        tl.store(yp, acc, mask=m_ok & n_mask[None, :])
-    else:
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        yp = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
-        tl.store(yp, acc.to(y_ptr.dtype.element_ty), mask=m_ok & n_mask[None, :])
+    _store_tile(y_ptr, b_ptr, acc, rm, rn, m_ok, n_mask, M, N, stride_ym, HAS_BIAS, PARTIAL)
 
 
 @triton.jit
@@ -848,14 +843,7 @@ def _qmm_words_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, n_split, stride_xm, stri
             for p in tl.static_range(4):
                 w = _q80_plane(q, d, blk, p)
                 acc = _dot_plane(acc, w, xrow, _q80_cols(blk) + p, m_mask, BM, BN, NB * 8)
-    if PARTIAL:
-        yp = y_ptr + (tl.program_id(2) * M + rm.to(tl.int64))[:, None] * N + rn[None, :]
-        tl.store(yp, acc, mask=m_mask & n_mask[None, :])
-    else:
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        yp = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
-        tl.store(yp, acc.to(y_ptr.dtype.element_ty), mask=m_mask & n_mask[None, :])
+    _store_tile(y_ptr, b_ptr, acc, rm, rn, m_mask, n_mask, M, N, stride_ym, HAS_BIAS, PARTIAL)
 
 
 @triton.jit
