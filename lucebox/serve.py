@@ -55,6 +55,7 @@ class ServerConfig:
     max_queue: int = 256
     max_step_tokens: int = 2048
     prefill_pacing: bool = False  # cap prefill chunks while streams decode (engine/runtime/pacing.py)
+    ahead: bool | None = None  # greedy decode steps one step ahead (engine/runtime/ahead.py); None: with CUDA graphs
     kv_tokens: int | None = None
     tensor_parallel: int = 1  # ranks (GPUs) the model is split over (engine/parallel)
     draft: str | None = None  # DFlash drafter folder; None = plain decoding (see drafter_hint)
@@ -262,7 +263,7 @@ def load_into(ctx: ServerContext, cfg: ServerConfig) -> Any:
                               kv_tokens=cfg.kv_tokens, gpu_memory=cfg.gpu_memory, max_num_seqs=cfg.max_num_seqs,
                               max_step_tokens=cfg.max_step_tokens, prefill_pacing=cfg.prefill_pacing, draft=draft,
                               ddtree=cfg.ddtree, ddtree_budget=cfg.ddtree_budget, spec_adaptive=cfg.spec_adaptive,
-                              tensor_parallel=cfg.tensor_parallel)
+                              tensor_parallel=cfg.tensor_parallel, ahead=cfg.ahead)
     if cfg.spark_config() is not None:
         from lucebox.engine.spark.engine import spark_engine
 

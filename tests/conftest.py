@@ -59,7 +59,9 @@ class SharedServer:
         if self.server is None:
             from tests.live_server import start_server
 
-            self.server = start_server(model)
+            # Greedy decode steps one step ahead, as CUDA serves by default (engine/runtime/ahead.py), so the API
+            # tests (tools, streams, disconnects, turns) run that path; on the CPU it is otherwise off.
+            self.server = start_server(model, ahead=True)
         return self.server
 
     def stop(self) -> None:

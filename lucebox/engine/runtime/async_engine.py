@@ -248,6 +248,8 @@ class AsyncEngine:
             if gen.disconnected is not None and gen.disconnected.is_set() and not gen.seq.is_finished:
                 self.num_disconnects += 1
                 commands.append(("abort", gen, "cancelled"))
+        if any(op in ("call", "abort") for op, _, _ in commands):
+            self.engine.settle()  # the decode step launched ahead is read first (runtime/ahead.py)
         for op, gen, arg in commands:
             if op == "call":
                 fn, fut = arg

@@ -16,8 +16,10 @@ while serving is a bug (a request waits for it): it is counted in
 Per step the host packs token ids, positions, cache slots and block tables
 into one pinned buffer and copies it to the device in one transfer; the graph
 does the rest: the model, the LM head, and the greedy argmax (so a greedy step
-reads back one int per sequence). Attention uses the Triton paged decode
-kernel where available, else keys are gathered inside the graph.
+reads back one int per sequence). A row may instead take its token from the
+last replay's argmax, still on the device (`Chunk.carry`: the step launched one
+step ahead, runtime/ahead.py). Attention uses the Triton paged decode kernel
+where available, else keys are gathered inside the graph.
 Padding rows write their K/V into scratch block 0 and are dropped.
 
 A hybrid model's decode step (models/qwen35.py) is captured the same way: the rows' recurrent state slots are
@@ -113,6 +115,16 @@ class HostTables:
                 self.rows[i] = None
 
 
+class _HostBuffer:
+    """One pinned staging buffer of the packed decode inputs, its block-table rows, and its last copy's event."""
+
+    def __init__(self, size: int, head: int, rows: int, blocks: int) -> None:
+        self.pinned = torch.zeros(size, dtype=torch.long, pin_memory=True)
+        self.np = self.pinned.numpy()
+        self.tables = HostTables(self.np[head:].reshape(rows, blocks))
+        self.copied: torch.cuda.Event | None = None
+
+
 class _Graph:
     def __init__(self, graph: torch.cuda.CUDAGraph, logits: torch.Tensor, tokens: torch.Tensor) -> None:
         self.graph = graph
@@ -138,12 +150,15 @@ class CudaGraphDecoder:
         b, nb = self.batches[-1], self.max_ctx // self.page
         self.bmax, self.nbmax = b, nb
         self.states = self.kv.states  # a hybrid's recurrent state slots, else None
-        # One packed int64 buffer: ids[b] | positions[b] | slots[b] | (hybrids) state slots[b] | block tables[b, nb].
-        self.head = (3 if self.states is None else 4) * b
+        # One packed int64 buffer: ids[b] | positions[b] | slots[b] | (hybrids) state slots[b] | carry[b] |
+        # block tables[b, nb]. carry: the row of the last replay's tokens that is this row's input (-1: ids).
+        self.head = (4 if self.states is None else 5) * b
+        self.carry_at = self.head - b
         size = self.head + b * nb
-        self.host = torch.zeros(size, dtype=torch.long, pin_memory=True)
-        self.host_np = self.host.numpy()
-        self.tables = HostTables(self.host_np[self.head:].reshape(b, nb))
+        # Two pinned staging buffers, used in turn: a step launched ahead (runtime/ahead.py) is packed while the
+        # copy of the step before may still be queued; a buffer is rewritten only once its last copy is done.
+        self._staging = [_HostBuffer(size, self.head, b, nb) for _ in range(2)]
+        self._turn = 0
         self.dev = torch.zeros(size, dtype=torch.long, device=self.device)
         self.out_logits: torch.Tensor | None = None  # [bmax, vocab], made at the first capture
         self.out_tokens = torch.zeros(b, dtype=torch.long, device=self.device)
@@ -174,7 +189,9 @@ class CudaGraphDecoder:
         return n
 
     def run(self, chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(logits [n, vocab], argmax tokens [n]) for a decode-only step, or None if no bucket fits."""
+        """(logits [n, vocab], argmax tokens [n]) for a decode-only step, or None if no bucket fits.
+        A chunk with `carry` >= 0 takes its input token from that row of the last replay's argmax (on the
+        device: runtime/ahead.py launches the step before the host has read those tokens)."""
         ctx = max(c.start + 1 for c in chunks)
         buckets = self.buckets_for(len(chunks), ctx)
         if buckets is None:
@@ -192,21 +209,31 @@ class CudaGraphDecoder:
         return g.logits[:n], g.tokens[:n]
 
     def _fill(self, chunks: list[Chunk]) -> None:
-        h, b = self.host_np, self.bmax
+        self._turn ^= 1
+        buf = self._staging[self._turn]
+        if buf.copied is not None:
+            buf.copied.synchronize()
+        h, b, tables = buf.np, self.bmax, buf.tables
         n = len(chunks)
         h[: self.head] = 0  # padding rows: token 0 at position 0, written to scratch slot 0 (and state slot 0)
+        h[self.carry_at: self.head] = -1
         for i, ch in enumerate(chunks):
             table = ch.seq.block_table
-            h[i] = ch.seq.token_ids[ch.start]
+            if ch.carry >= 0:
+                h[self.carry_at + i] = ch.carry
+            else:
+                h[i] = ch.seq.token_ids[ch.start]
             h[b + i] = ch.start
             h[2 * b + i] = table[ch.start // self.page] * self.page + ch.start % self.page
             if self.states is not None:
                 h[3 * b + i] = ch.seq.state_slot
-            self.tables.fill(i, table)
-        self.tables.clear_from(n)
+            tables.fill(i, table)
+        tables.clear_from(n)
         batch = next(x for x in self.batches if x >= n)  # the bucket's rows are all the graph reads
         end = self.head + batch * self.nbmax
-        self.dev[:end].copy_(self.host[:end], non_blocking=True)
+        self.dev[:end].copy_(buf.pinned[:end], non_blocking=True)
+        buf.copied = torch.cuda.Event()
+        buf.copied.record()
 
     def _meta(self, batch: int, c: int) -> AttentionMetadata:
         ids, pos, slots, tables = self._views(self.dev, batch, c)
@@ -216,6 +243,9 @@ class CudaGraphDecoder:
     @torch.inference_mode()
     def _forward(self, batch: int, c: int) -> tuple[torch.Tensor, torch.Tensor]:
         ids, pos, _, _ = self._views(self.dev, batch, c)
+        carry = self.dev[self.carry_at: self.carry_at + batch]
+        # (read before this replay overwrites out_tokens; rows that carry nothing keep their host ids)
+        ids = torch.where(carry >= 0, self.out_tokens[carry.clamp(min=0)], ids)
         extra: dict[str, StateRows] = {}
         if self.states is not None:  # every row a decode; the kernels update the slots in place
             slots = self.dev[3 * self.bmax: 3 * self.bmax + batch]

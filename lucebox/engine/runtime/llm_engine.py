@@ -8,6 +8,7 @@ model or the KV cache.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ import torch
 
 from lucebox.engine.kernels.kv_quant import KV_DTYPES
 from lucebox.engine.runtime import cuda_graphs
+from lucebox.engine.runtime.ahead import Ahead
 from lucebox.engine.runtime.cuda_graphs import batch_buckets
 from lucebox.engine.runtime.grammar import Constraint, expand_masks, fill_masks, greedy_tokens
 from lucebox.engine.runtime.kv_cache import KVCache, resolve_kv_dtype
@@ -74,6 +76,9 @@ class EngineConfig:
     weights: str = "auto"  # GGUF quant blocks: auto (quantized on CUDA only if dense won't fit) | quantized | dense
     kv_dtype: str = "auto"  # KV cache storage: auto (the model's dtype) | bf16 (a bf16 model) | q8_0 (int8 + scales)
     tensor_parallel: int = 1  # ranks the model is split over (engine/parallel); 1: this process alone
+    # Greedy decode steps launched one step ahead of the host (runtime/ahead.py). None: where CUDA graphs run
+    # (LUCEBOX_AHEAD=0 or 1 overrides); on the CPU nothing overlaps, so it only delays each token by a step.
+    ahead: bool | None = None
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":
@@ -162,6 +167,9 @@ class LLMEngine:
         # instead of taking the GIL from the engine thread while it prepares the step.
         self.on_launched: Callable[[], None] | None = None
         self.pacer = PrefillPacer(self.config.max_step_tokens) if self.config.prefill_pacing else None
+        # Greedy decode steps launched before the last one's tokens are read (off while speculating).
+        self.ahead: Ahead | None = Ahead(self.runner, self.scheduler) if self._runs_ahead() else None
+        self._settled: list[StepOutput] = []  # outputs of a step settled between two `step()` calls
         self.spec: SpecDecoder | None = None
         self.adaptive: AdaptiveSpec | None = None  # which sequences speculate (set with `spec`)
         self.draft_path: Path | None = None  # the drafter folder enable_speculation loaded
@@ -288,6 +296,7 @@ class LLMEngine:
         assert self.cache is None, "switch speculation before enable_prefix_cache"
         self.spec = spec
         self.draft_path = None
+        self.ahead = Ahead(self.runner, self.scheduler) if spec is None and self._runs_ahead() else None
         self.scheduler.decode_rows = spec.rows_per_step if spec else 1
         self.scheduler.on_release = self._release_spec if spec else None
         self.adaptive = None
@@ -305,6 +314,16 @@ class LLMEngine:
             from lucebox.engine.spec.static import StaticSpec
 
             spec.static = StaticSpec(spec, self.config.max_num_seqs, self.n_ctx)
+
+    def _runs_ahead(self) -> bool:
+        """Whether greedy decode steps launch one step ahead (EngineConfig.ahead, LUCEBOX_AHEAD)."""
+        on = self.config.ahead
+        if on is None and os.environ.get("LUCEBOX_AHEAD") in ("0", "1"):
+            on = os.environ["LUCEBOX_AHEAD"] == "1"
+        if on is None:
+            on = self.runner.graphs is not None
+        graphs = self.runner.graphs is not None
+        return on and self.config.tensor_parallel == 1 and (self.device.type != "cuda" or graphs)
 
     @property
     def _lazy_context(self) -> bool:
@@ -531,10 +550,17 @@ class LLMEngine:
 
     def abort(self, seq: Sequence, reason: str = "cancelled") -> None:
         """End `seq` now; with reason "stop" (the answer is complete) its prefix is still cached."""
+        self.settle()
         self.scheduler.abort(seq, reason)
 
+    def settle(self) -> None:
+        """Resolve the decode step launched ahead, if any (runtime/ahead.py): call it before reading or
+        changing a running sequence between steps. Its outputs come with the next `step()`."""
+        if self.ahead is not None and self.ahead.inflight is not None:
+            self._settled += self.ahead.settle()
+
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self._settled)
 
     def step(self) -> list[StepOutput]:
         """Run one model step; returns the sequences that got a token or ended.
@@ -542,17 +568,33 @@ class LLMEngine:
         A sequence whose rows make the step raise (its sampling parameters, say) ends alone with
         finish reason "error"; the others get exactly the tokens they would have got without it.
         """
+        outputs, self._settled = self._settled, []
+        ahead = self.ahead
+        if ahead is not None and ahead.inflight is not None:
+            chunks = ahead.next_chunks()
+            if chunks is not None:  # the next step goes behind the one in flight, then that one is read
+                held = ahead.advance(chunks)
+                self.last_step = [(c.seq.seq_id, c.start, c.n) for c in chunks]
+                if self.on_launched is not None:
+                    self.on_launched()
+                return outputs + ahead.resolve(held)
+            outputs += ahead.settle()
         if self.pacer is not None:
             self.scheduler.prefill_cap = self.pacer.budget()
         t0 = time.perf_counter()  # the pacer's step time
         chunks = self.scheduler.schedule()
         self.last_step = [(c.seq.seq_id, c.start, c.n) for c in chunks]
         if not chunks:
-            return []
+            return outputs
+        if ahead is not None and ahead.eligible(chunks):  # its tokens are read in the next step()
+            ahead.launch(chunks)
+            if self.on_launched is not None:
+                self.on_launched()
+            return outputs
         if self.pacer is None:
-            return self._spec_step(chunks) if self.spec is not None else self._plain_step(chunks)
+            return outputs + (self._spec_step(chunks) if self.spec is not None else self._plain_step(chunks))
         decode_rows = sum(1 for c in chunks if is_decode(c))  # before the step: it appends the sampled tokens
-        outputs = self._spec_step(chunks) if self.spec is not None else self._plain_step(chunks)
+        outputs += self._spec_step(chunks) if self.spec is not None else self._plain_step(chunks)
         self.pacer.observe(decode_rows, sum(c.n for c in chunks) - decode_rows, time.perf_counter() - t0)
         return outputs
 

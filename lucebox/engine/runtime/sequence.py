@@ -80,6 +80,9 @@ class Chunk:
     tokens: `tokens` holds them (the last committed token, then the draft),
     `parents` the draft tree (row i's parent row; -1 for the root; a chain is
     parents [-1, 0, 1, ...]) and every row's logits are wanted.
+
+    A decode launched one step ahead (runtime/ahead.py) does not know its input
+    token yet: `carry` is the row of the previous step's device argmax that holds it.
     """
 
     seq: Sequence
@@ -87,6 +90,7 @@ class Chunk:
     n: int
     tokens: list[int] | None = None
     parents: list[int] | None = None
+    carry: int = -1  # >= 0: the input token is the previous step's argmax at this row (on the device)
 
     @property
     def verify(self) -> bool:
@@ -95,9 +99,11 @@ class Chunk:
     @property
     def wants_logits(self) -> bool:
         """Only the step that reaches the end of the known tokens samples (verification: every row)."""
-        return self.verify or self.start + self.n == len(self.seq.token_ids)
+        return self.verify or self.carry >= 0 or self.start + self.n == len(self.seq.token_ids)
 
     def input_ids(self) -> list[int]:
+        if self.carry >= 0:
+            return [0]  # a placeholder: the device puts the carried token in its place
         return self.tokens if self.tokens is not None else self.seq.token_ids[self.start:self.start + self.n]
 
     def depths(self) -> list[int]:
