@@ -199,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--gen-len", type=int, default=128, help="max_tokens per request")
     b.add_argument("--requests", type=int, default=None,
                    help="requests per level (default max(8, 2 x concurrency); the sequential baseline runs this "
-                        "many, default 8)")
+                        "many, at most 32, default 8)")
     b.add_argument("--dialect", choices=["chat", "anthropic"], default="chat")
     b.add_argument("--constrained", action="store_true",
                    help="also: run every level again with each answer held to a JSON object (constrained decoding) "

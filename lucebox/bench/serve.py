@@ -644,7 +644,7 @@ async def _bench(args: argparse.Namespace, base: str, server: ServerProcess | No
     template_tokens = (warm.prompt_tokens or 0) - await builder.count(INSTRUCTION)
 
     sizes = [args.requests or max(8, 2 * c) for c in levels]
-    n_seq = args.requests or 8
+    n_seq = min(args.requests, 32) if args.requests else 8  # the baseline: a handful is enough
     prompts = await builder.build(sum(sizes) + n_seq, args.prompt_len, template_tokens)
     progress = Progress("bench serve", total=len(prompts), unit="requests")
     runs: list[Level] = []

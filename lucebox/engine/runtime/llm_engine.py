@@ -571,13 +571,17 @@ class LLMEngine:
         outputs, self._settled = self._settled, []
         ahead = self.ahead
         if ahead is not None and ahead.inflight is not None:
+            t0 = time.perf_counter()
             chunks = ahead.next_chunks()
             if chunks is not None:  # the next step goes behind the one in flight, then that one is read
                 held = ahead.advance(chunks)
                 self.last_step = [(c.seq.seq_id, c.start, c.n) for c in chunks]
                 if self.on_launched is not None:
                     self.on_launched()
-                return outputs + ahead.resolve(held)
+                outputs += ahead.resolve(held)
+                if self.pacer is not None:  # steps back to back: a call lasts about one decode step
+                    self.pacer.observe(len(held.chunks), 0, time.perf_counter() - t0)
+                return outputs
             outputs += ahead.settle()
         if self.pacer is not None:
             self.scheduler.prefill_cap = self.pacer.budget()
