@@ -140,6 +140,59 @@ def test_forced_tokens_while_a_step_is_in_flight(engines, prompts, plain):
     assert results[1][:6] == plain[0][:5] + [plain[1][0]]
 
 
+def test_a_hold_stops_a_sequence_at_an_exact_length(engines, prompts, plain):
+    """A sequence held at N output tokens (Sequence.hold_at: where a thinking budget decides) stops exactly
+    there, plain or ahead, while the others go on (running ahead); it keeps its blocks and is no work until
+    the hold is lifted. Forced tokens then land at exactly N, a lifted hold goes on as if never held, and
+    an abort of a held sequence frees it."""
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    for eng in engines:
+        steps = eng.ahead.steps if eng.ahead is not None else 0
+        forced = eng.add(prompts[0], params)
+        forced.hold_at = 5
+        lifted = eng.add(prompts[1], params)
+        lifted.hold_at = 3
+        dropped = eng.add(prompts[2], params)
+        dropped.hold_at = 0  # held before its first token: prefilled up to its last prompt token
+        free = eng.add(prompts[3], params)
+        drive(eng, [])  # until no work is left: only the held sequences
+        assert free.output_ids == plain[3][:16]
+        assert [s.num_output for s in (forced, lifted, dropped)] == [5, 3, 0]
+        assert not any(s.is_finished for s in (forced, lifted, dropped))
+        assert dropped.num_computed == dropped.num_prompt - 1
+        assert eng.step() == [] and not eng.has_work() and eng.kv.pool.num_used > 0
+        if eng.ahead is not None:
+            assert eng.ahead.steps - steps > 5, "the free sequence did not run ahead beside the held ones"
+        forced.forced_tokens, forced.hold_at = [plain[1][0]], None
+        lifted.hold_at = None
+        eng.abort(dropped)
+        assert dropped.finish_reason == "cancelled"
+        drive(eng, [])
+        assert forced.output_ids[:6] == plain[0][:5] + [plain[1][0]]
+        assert lifted.output_ids == plain[1][:16]
+        assert eng.kv.pool.num_used == 0
+
+
+def test_a_held_sequence_survives_preemption(smollm2_path, prompts, plain, monkeypatch):
+    """A held sequence that is preempted is recomputed up to its last token and held again (no token past
+    its hold); lifted, it gives the plain tokens."""
+    eng = make(smollm2_path, True, kv_tokens=144, block_size=16)
+    victims = []
+    preempt = eng.scheduler._preempt
+    monkeypatch.setattr(eng.scheduler, "_preempt", lambda seq: (victims.append(seq), preempt(seq)))
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    others = [eng.add(p, params) for p in prompts[:4]]
+    held = eng.add(prompts[4], params)
+    held.hold_at = 2
+    drive(eng, [])
+    assert held in victims, "the held sequence was not preempted: the case is not covered"
+    assert [s.output_ids for s in others] == plain[:4]
+    assert held.num_output == 2 and not held.is_finished and not eng.has_work()
+    held.hold_at = None
+    drive(eng, [])
+    assert held.output_ids == plain[4]
+
+
 def test_graph_carry_equals_host_ids_on_cuda(smollm2_path):
     """On CUDA, the decode graph's carried input (the last replay's argmax) gives the plain steps' tokens."""
     if not torch.cuda.is_available():

@@ -74,6 +74,34 @@ HELD_OUT = ["What is the capital of France?", "Natalia sold clips to 48 of her f
             "Write a Python function that returns the n-th Fibonacci number."]
 
 
+def test_a_held_sequence_stops_within_a_block_of_its_hold(tiny_gguf, tmp_path):
+    """Speculation commits a verified block at once, so a sequence held at N output tokens (Sequence.hold_at)
+    stops at N or a few tokens past it, never a block past; it gets no step while held, and once the hold
+    is lifted it goes on losslessly."""
+    target = tiny_gguf("llama", "F32")
+    draft = random_drafter(target, tmp_path / "d", block=6)
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    plain = engine(target).generate(PROMPTS, params)
+    spec = engine(target, draft=str(draft))
+    seqs = [spec.add(p, params) for p in PROMPTS]
+    holds = (0, 4, 11)
+    for s, at in zip(seqs, holds):
+        s.hold_at = at
+    while spec.has_work():
+        spec.step()
+    assert seqs[3].output_ids == plain[3]
+    for i, (s, at) in enumerate(zip(seqs, holds)):
+        assert at <= s.num_output < at + 6 and not s.is_finished, (at, s.num_output)
+        assert s.output_ids == plain[i][:s.num_output]
+    assert spec.step() == [] and spec.spec.stats.steps > 0
+    for s in seqs:
+        s.hold_at = None
+    while spec.has_work():
+        spec.step()
+    assert [s.output_ids for s in seqs] == plain
+    assert spec.kv.pool.num_used == 0 and spec.spec.kv.pool.num_used == 0
+
+
 def test_default_model_greedy_spec_equals_plain_with_its_shipped_drafter(smollm2_path):
     """fp32: chain and DDTree give plain decoding's tokens, one sequence alone and three batched."""
     plain = engine(smollm2_path)

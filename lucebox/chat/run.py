@@ -16,7 +16,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -28,7 +28,7 @@ from lucebox.chat.request import ChatRequest, bad_field
 from lucebox.chat.stream import EventPipeline
 from lucebox.chat.template import TemplateError
 from lucebox.engine.pflash.service import Compression
-from lucebox.engine.runtime.async_engine import Generation, QueueFull
+from lucebox.engine.runtime.async_engine import AsyncEngine, Generation, QueueFull
 from lucebox.engine.runtime.grammar import Constraint, GrammarError, compiler_for, grammar_from_lark
 from lucebox.engine.runtime.sampler import SamplingParams, TokenLogprobs
 from lucebox.errors import LuceboxError
@@ -94,6 +94,10 @@ class GenerationRun:
         self.gen: Generation | None = None
         self.tool_calls: list[ToolCallEnd] = []
         self.compression: Compression | None = None  # set when PFlash compressed the prompt
+        # The output length where the engine holds the sequence for the thinking budget from its submission
+        # (the template opened the reasoning; ThinkingBudget), or None.
+        opened = reasoning is not None and reasoning.start_in_reasoning
+        self.hold_at = thinking_budget if opened else None
 
     # -- building ------------------------------------------------------------------
 
@@ -117,7 +121,8 @@ class GenerationRun:
         run.compression = compression
         params = SamplingParams(**{**req.params.__dict__, "max_tokens": max_tokens})
         try:
-            run.gen = engine.submit(ids, params, disconnected, cache_hint=hint, constraint=constraint)
+            run.gen = engine.submit(ids, params, disconnected, cache_hint=hint, constraint=constraint,
+                                    hold_at=run.hold_at)
         except QueueFull as exc:
             raise HttpError(503, str(exc), "overloaded_error", headers={"Retry-After": "1"}) from None
         except LuceboxError as exc:
@@ -158,15 +163,16 @@ class GenerationRun:
         detok = tok.detokenizer(skip_special=True)
         seq = self.gen.seq
         n_lp = 0
-        reasoning_tokens = 0
-        forced = False
+        close = (self.ctx.card.thinking_terminator_hint if self.ctx.card else None) or "\n</think>\n\n"
+        thinking = ThinkingBudget(engine, self.gen, self.thinking_budget, self.hold_at,
+                                  lambda: tok.encode(close, add_special=False))
         reason = "stop"
         try:
+            thinking.check(pipeline.in_reasoning)  # a budget of 0: closed before the first token
             async for new in engine.stream(self.gen):
                 batch: list[Event] = []
                 for token in new:
-                    if pipeline.in_reasoning:
-                        reasoning_tokens += 1
+                    thinking.count(pipeline.in_reasoning)
                     batch.extend(pipeline.push(detok.push(token)))
                 for ev in merge_events(batch):  # tokens that arrived together go out as one delta
                     if isinstance(ev, ToolCallEnd):
@@ -178,11 +184,7 @@ class GenerationRun:
                 if pipeline.done:
                     engine.cancel(self.gen, "stop")
                     break
-                if (self.thinking_budget is not None and not forced and pipeline.in_reasoning
-                        and reasoning_tokens >= self.thinking_budget):
-                    close = (self.ctx.card.thinking_terminator_hint if self.ctx.card else None) or "\n</think>\n\n"
-                    engine.force_tokens(self.gen, tok.encode(close, add_special=False))
-                    forced = True
+                thinking.check(pipeline.in_reasoning)
             reason = self.gen.finish_reason or "stop"
         except asyncio.CancelledError:
             engine.cancel(self.gen)
@@ -201,7 +203,7 @@ class GenerationRun:
             if isinstance(ev, ToolCallEnd):
                 self.tool_calls.append(ev)
             if isinstance(ev, Finish):
-                self._finish_usage(reasoning_tokens)
+                self._finish_usage(thinking.tokens)
                 self._remember_calls(tok)
             yield ev
 
@@ -233,6 +235,51 @@ class GenerationRun:
         if finish.reason == "cancelled" and self.disconnected is not None and self.disconnected.is_set():
             raise client_closed()
         return merge_events(events[:-1]), finish
+
+
+class ThinkingBudget:
+    """One run's reasoning tokens, and its thinking budget enforced at an exact output position.
+
+    The engine holds the sequence where the budget runs out (Sequence.hold_at): from the submission when the
+    template opened the reasoning, else from the token where the model opened it (then the engine may have
+    run past that point already, and stops where it is). At the hold the run decides: still reasoning, it
+    forces the close tokens in (which lifts the hold); otherwise it lifts the hold. Reasoning that closes
+    before the hold lifts it at once. So a greedy request's forced close lands at the same token every run,
+    however far the engine had run ahead of the event loop (a speculative commit may pass the hold by a few
+    tokens, the same ones every run).
+    """
+
+    def __init__(self, engine: AsyncEngine, gen: Generation, budget: int | None, hold: int | None,
+                 close: Callable[[], list[int]]) -> None:
+        self.engine = engine
+        self.gen = gen
+        self.budget = budget
+        self.hold = hold  # the output length where the engine holds the sequence now, or None
+        self.close = close  # the close tokens (model card's terminator hint or `</think>`)
+        self.tokens = 0  # reasoning tokens so far (usage)
+        self.seen = 0  # output tokens so far
+        self.forced = False
+
+    def count(self, in_reasoning: bool) -> None:
+        """One output token, about to be pushed into the pipeline (`in_reasoning`: its state before it)."""
+        if in_reasoning:
+            if self.budget is not None and self.hold is None and not self.forced:  # the model opened reasoning
+                self.hold = self.seen + max(self.budget - self.tokens, 0)
+                self.engine.hold(self.gen, self.hold)
+            self.tokens += 1
+        self.seen += 1
+
+    def check(self, in_reasoning: bool) -> None:
+        """After the tokens that arrived together: at (or past) the hold, close the reasoning or lift the hold;
+        lift it too once the reasoning closed before it."""
+        if self.hold is None or (in_reasoning and self.seen < self.hold):
+            return
+        if in_reasoning:
+            self.engine.force_tokens(self.gen, self.close())
+            self.forced = True
+        else:
+            self.engine.hold(self.gen, None)
+        self.hold = None
 
 
 async def maybe_compress(ctx: ServerContext, builder: PromptBuilder, req: ChatRequest,

@@ -14,8 +14,10 @@ block the engine frees and hands out again only to steps queued later on the sam
 
 Only steps where nothing needs the host between two steps run ahead: decode-only batches of greedy rows
 (no penalties, logprobs, grammar or forced tokens), no speculative decoding, nothing waiting to be
-admitted, and a KV block for every row without preempting anyone. Before anything else touches the
-sequences (an abort, a command on the engine thread) the engine settles the step in flight.
+admitted, and a KV block for every row without preempting anyone. A sequence that reaches its hold
+(Sequence.hold_at) with the step in flight gets no row in the next one, so it stops exactly there.
+Before anything else touches the sequences (an abort, a command on the engine thread) the engine settles
+the step in flight.
 The greedy tokens are the same as a plain step's: the rows, their inputs and their kernels are.
 """
 
@@ -80,11 +82,15 @@ class Ahead:
 
     def next_chunks(self) -> list[Chunk] | None:
         """The step after the one in flight, if it can launch before that one's tokens are read: every
-        running sequence was in it and none waits, each one still runs ahead, and its KV blocks are free.
-        A sequence that reaches its length limit with the step in flight has no row in it."""
+        running sequence was in it (or is held: Sequence.held) and none waits, each one still runs ahead, and
+        its KV blocks are free. A sequence that reaches its length limit or its hold with the step in flight
+        has no row in it."""
         held = self.inflight
         sched = self.scheduler
-        if held is None or sched.waiting or len(sched.running) != len(held.chunks):
+        if held is None or sched.waiting:
+            return None
+        n = len(sched.running)
+        if n != len(held.chunks) and n - sum(1 for s in sched.running if s.held) != len(held.chunks):
             return None
         chunks: list[Chunk] = []
         need = 0
@@ -95,6 +101,8 @@ class Ahead:
             pos = c.start + 1  # the position of the token the step in flight samples
             if seq.num_output + 1 >= seq.params.max_tokens or pos + 1 >= sched.max_model_len:
                 continue  # ends there by length
+            if seq.hold_at is not None and seq.num_output + 1 >= seq.hold_at:
+                continue  # held there: the next token waits for the hold to be lifted
             need += max(self.kv.blocks_for(pos + 1) - len(seq.block_table), 0)
             chunks.append(Chunk(seq, pos, 1, carry=i))
         if not chunks or not self.eligible(chunks):

@@ -5,13 +5,20 @@ its own loop: apply queued commands, run a step, hand the new tokens to the
 event loop (`call_soon_threadsafe`), repeat — it never waits for the event
 loop, so serving many sockets does not slow the model down. The asyncio side
 never mutates engine state: it queues commands (add, abort, force tokens,
-call) that the engine thread applies at the start of its next step, so every
+hold, call) that the engine thread applies at the start of its next step, so every
 decision about a sequence happens in one thread and data flows one way:
 
     submit() ─► commands ─► [engine thread: apply, step] ─► call_soon_threadsafe ─► per-request queue ─► stream()
 
 Before each step the engine thread cancels requests whose client
-disconnected, so a disconnect costs at most one step of wasted work.
+disconnected, so a disconnect costs at most one step of wasted work (and,
+while every running sequence waits at its hold, within the idle wait).
+
+A hold (`Sequence.hold_at`, set at `submit` or by `hold`) stops a sequence at
+an exact output length until the event loop lifts it (`hold(gen, None)`, or
+`force_tokens`): the chat layer's thinking budget decides there whether to
+close the reasoning, so where `</think>` lands does not depend on how far the
+engine ran ahead of the loop.
 
 (ARCHITECTURE.md suggests awaiting `run_in_executor` per step; a round trip
 through the event loop between steps left the GPU idle while the loop
@@ -146,14 +153,16 @@ class AsyncEngine:
 
     def submit(
         self, prompt_ids: list[int], params: SamplingParams, disconnected: asyncio.Event | None = None,
-        cache_hint: object = None, constraint: Constraint | None = None,
+        cache_hint: object = None, constraint: Constraint | None = None, hold_at: int | None = None,
     ) -> Generation:
         """Queue a request (raises LuceboxError for bad input, QueueFull past --max-queue); `constraint`: the
-        grammar its output follows (engine/runtime/grammar.py)."""
+        grammar its output follows (engine/runtime/grammar.py); `hold_at`: an output length where it waits
+        until `hold(gen, None)` or `force_tokens` (Sequence.hold_at)."""
         if self.num_waiting >= self.max_queue:
             raise QueueFull(f"the server has {self.num_waiting} requests waiting (limit {self.max_queue}); retry later")
         seq = self.engine.new_sequence(prompt_ids, params, constraint)
         seq.cache_hint = cache_hint
+        seq.hold_at = hold_at  # before the engine thread sees it: no step can pass it
         gen = Generation(seq, disconnected)
         with self._lock:
             self._active[seq.seq_id] = gen
@@ -179,8 +188,13 @@ class AsyncEngine:
         return len(gens)
 
     def force_tokens(self, gen: Generation, token_ids: list[int]) -> None:
-        """Replace the next sampled token with these (a forced `</think>`, say)."""
+        """Replace the next sampled token with these (a forced `</think>`, say); lifts the hold, if any."""
         self._command("force", gen, list(token_ids))
+
+    def hold(self, gen: Generation, at: int | None) -> None:
+        """Stop decoding `gen` once it has `at` output tokens (None: lift the hold). If it has more already, it
+        stops where it is. It stays admitted, with its KV, until the hold is lifted (or `force_tokens`)."""
+        self._command("hold", gen, at)
 
     async def stream(self, gen: Generation) -> AsyncIterator[list[int]]:
         """Yield lists of new token ids until the generation ends (then `gen.finish_reason` is set).
@@ -209,7 +223,7 @@ class AsyncEngine:
 
     def _thread_main(self) -> None:
         while not self._stopping:
-            if not self._commands and not self.engine.has_work():
+            if not self._commands and not self.engine.has_work() and not self._gone_while_held():
                 self._flush()
                 cache = self.engine.cache
                 copying = cache.poll() if cache is not None else 0  # idle: still publish finished snapshots
@@ -227,6 +241,12 @@ class AsyncEngine:
                 if ended or any(o.finished for o in outputs) or not self.engine.has_work():
                     self._flush()  # an ending is told at once (the client's last event, the next request)
         self._flush()
+
+    def _gone_while_held(self) -> bool:
+        """A client left while its sequence waits at a hold (no step runs to notice): the next `_step` ends it."""
+        with self._lock:
+            return any(g.disconnected is not None and g.disconnected.is_set() and not g.seq.is_finished
+                       for g in self._active.values())
 
     def _flush(self) -> None:
         """Hand the held step's tokens to the event loop (engine thread only)."""
@@ -267,6 +287,9 @@ class AsyncEngine:
                     ended.append((gen, arg))
             elif op == "force" and not gen.seq.is_finished:
                 gen.seq.forced_tokens = arg
+                gen.seq.hold_at = None
+            elif op == "hold" and not gen.seq.is_finished:
+                gen.seq.hold_at = arg
         now = time.monotonic()
         outputs = self.engine.step() if self.engine.has_work() else []
         if self.engine.cache is not None:

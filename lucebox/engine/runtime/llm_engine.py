@@ -560,7 +560,9 @@ class LLMEngine:
             self._settled += self.ahead.settle()
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self._settled)
+        """Whether `step()` has something to do (a sequence held at Sequence.hold_at is nothing to do)."""
+        return (self.scheduler.has_work() or bool(self._settled)
+                or (self.ahead is not None and self.ahead.inflight is not None))
 
     def step(self) -> list[StepOutput]:
         """Run one model step; returns the sequences that got a token or ended.

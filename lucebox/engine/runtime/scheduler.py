@@ -14,7 +14,11 @@ thread. Policy:
   waits until one is given back) and the running set is below `max_num_seqs`;
 - when a running sequence needs a block and none is free, the newest running
   sequence is preempted: its blocks are freed and it goes back to the front
-  of the queue to be recomputed (prompt + what it generated so far).
+  of the queue to be recomputed (prompt + what it generated so far);
+- a sequence at its hold (`Sequence.hold_at`: the chat layer decides there,
+  say, whether a thinking budget forces `</think>`) is not decoded: it keeps
+  its blocks and waits, and is no work, until the hold is lifted (a recompute
+  after a preemption prefills it up to its last token and no further).
 """
 
 from __future__ import annotations
@@ -65,7 +69,8 @@ class Scheduler:
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Something to schedule: a waiting sequence, or a running one not held (Sequence.held)."""
+        return bool(self.waiting) or any(not s.held for s in self.running)
 
     def abort(self, seq: Sequence, reason: str = "cancelled") -> None:
         """Drop a sequence now (client gone); its blocks are freed at once."""
@@ -82,7 +87,7 @@ class Scheduler:
     def schedule(self) -> list[Chunk]:
         budget = self.max_step_tokens
         chunks: list[Chunk] = []
-        decoding = [s for s in self.running if s.num_pending == 1]
+        decoding = [s for s in self.running if s.num_pending == 1 and not s.at_hold]
         prefilling = [s for s in self.running if s.num_pending > 1]
         for seq in decoding:
             if seq.is_finished or seq not in self.running:
@@ -99,7 +104,7 @@ class Scheduler:
         for seq in prefilling:
             if budget <= 0 or seq not in self.running:
                 break
-            n = min(seq.num_pending, budget)
+            n = min(seq.num_pending - int(seq.at_hold), budget)  # held: its last token waits (runs as its decode)
             if not self._reserve(seq, seq.num_computed + n, chunks):
                 break
             chunks.append(Chunk(seq, seq.num_computed, n))
@@ -114,7 +119,7 @@ class Scheduler:
             if self.cache is not None and not seq.cache_attached:
                 seq.cache_attached = True
                 self.cache.attach(seq)  # may start it from cached blocks / a restored snapshot
-            n = min(seq.num_pending, budget)
+            n = min(seq.num_pending - int(seq.at_hold), budget)  # held (a recompute): up to its last token
             # After a prefix-cache hit only the last prompt token may be left: that row runs as a decode,
             # which brings `decode_rows` rows (a speculative verification).
             rows = self.decode_rows if n == seq.num_pending == 1 and seq.num_computed > 0 else n
@@ -127,8 +132,9 @@ class Scheduler:
             seq.block_table.extend(self.kv.pool.allocate(max(need, 0)))
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
-            chunks.append(Chunk(seq, seq.num_computed, n))
-            budget -= n
+            if n > 0:  # (0: held with every token but its last one cached)
+                chunks.append(Chunk(seq, seq.num_computed, n))
+                budget -= n
         return chunks
 
     def _reserve(self, seq: Sequence, num_tokens: int, chunks: list[Chunk]) -> bool:

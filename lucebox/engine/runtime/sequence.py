@@ -37,6 +37,11 @@ class Sequence:
     # Tokens to append instead of the next sampled one (e.g. a forced `</think>`
     # when a thinking budget runs out); the model then prefills them.
     forced_tokens: list[int] = field(default_factory=list)
+    # An output-token count at which the engine stops decoding the sequence (None: no hold). A held sequence
+    # stays running and keeps its blocks but gets no step until the async layer lifts the hold (forced tokens
+    # lift it too): the thinking budget (chat/run.py) decides there, so its forced `</think>` lands at the
+    # same position whatever the timing. A speculative commit may end a few tokens past it.
+    hold_at: int | None = None
     # DFlash: how many positions of the drafter's KV (kept in the same blocks as the target's) are filled.
     draft_len: int = 0
     constraint: Any = None  # lucebox.engine.runtime.grammar.Constraint: the grammar its tokens must follow
@@ -66,6 +71,16 @@ class Sequence:
     def num_pending(self) -> int:
         """Tokens known but not yet run through the model (prompt left, or the last sample)."""
         return len(self.token_ids) - self.num_computed
+
+    @property
+    def at_hold(self) -> bool:
+        """Its next token must wait: the output has reached `hold_at`."""
+        return self.hold_at is not None and len(self.token_ids) - len(self.prompt_ids) >= self.hold_at
+
+    @property
+    def held(self) -> bool:
+        """At its hold with nothing left to run (its last token is the one a decode would run): no step for it."""
+        return self.at_hold and len(self.token_ids) - self.num_computed <= 1
 
     @property
     def is_finished(self) -> bool:
