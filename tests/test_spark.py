@@ -36,10 +36,15 @@ IDS = list(range(3, 40)) + list(range(100, 160))
 PROMPTS = [IDS, list(range(200, 260)), list(range(7, 19))]
 
 
-def engine(path: Path, spark: SparkConfig | None = None, quantized: bool | None = None):
+def engine(path: Path, spark: SparkConfig | None = None, quantized: bool | None = None, guarded: bool = False,
+           **config):
+    """(engine, Spark) on the CPU; `guarded`: decode steps over the resident experts first (Spark.guarded, what
+    a CUDA graph replays under LUCEBOX_SPARK_GRAPHS=1), run again eagerly on a miss."""
     loaded = load_model(path, device="cpu", dtype=torch.float32, quiet=True, quantized=quantized)
     sp = place_experts(loaded, torch.device("cpu"), spark, quiet=True) if spark is not None else None
-    return LLMEngine(loaded, EngineConfig(device="cpu", dtype="float32", kv_tokens=2048)), sp
+    guard = sp.guarded if guarded and sp is not None else None
+    return LLMEngine(loaded, EngineConfig(device="cpu", dtype="float32", kv_tokens=2048, **config),
+                     decode_guard=guard), sp
 
 
 @pytest.fixture(scope="module")
@@ -118,6 +123,96 @@ def test_ring_is_lru_and_never_evicts_an_expert_the_step_uses() -> None:
     step(off, ref, [[3, 5], [6, 7]])  # 3 and 5 are used by this step: 6 and 7 go through one-step buffers
     assert list(off.ring) == [3, 5] and stats.copies == 5
     assert stats.routed == 12 and stats.hot == 4 and stats.ring_hits == 3 and stats.cold == 5
+
+
+def test_slot_table_follows_the_ring_and_the_sync_free_step_flags_misses() -> None:
+    """`slot_table` (one tensor, updated in place) says every expert's slot as the hot set and the ring do,
+    through fills and evictions; the sync-free step equals the exact one when every routed expert is resident,
+    and otherwise weighs the missing pairs 0 and sets `miss` (never clearing it)."""
+    ref, moe = moe_layer(), moe_layer()
+    off = LayerOffload(moe, hot=[0], ring_slots=2, device=torch.device("cpu"), rule=OffloadRule(0),
+                       stats=SparkStats())
+    table = off.slot_table
+
+    def expected() -> list[int]:
+        want = [-1] * 8
+        for e, slot in {**off.hot_slot, **off.ring}.items():
+            want[e] = slot
+        return want
+
+    assert table.tolist() == expected() == [0] + [-1] * 7
+    for experts in ([[0, 3]], [[0, 4]], [[5, 0]], [[3, 5], [6, 7]]):  # 3 evicted by 5, then back; 6, 7 one-step
+        step(off, ref, experts)
+        assert off.slot_table is table and table.tolist() == expected(), experts
+    assert list(off.ring) == [5, 3]
+    before = (dict(off.stats.__dict__), list(off.ring), table.tolist())
+    x = torch.randn(2, 32, generator=torch.Generator().manual_seed(3))
+    weights = torch.full((2, 2), 0.5)
+    off.optimistic = True
+    with torch.no_grad():
+        ids = torch.tensor([[0, 3], [5, 0]])
+        torch.testing.assert_close(off.experts(x, weights, ids), ref.experts(x, weights, ids))
+        assert off.miss.item() == 0
+        ids = torch.tensor([[0, 6], [5, 0]])  # 6 is in host memory: weighed 0, a miss
+        torch.testing.assert_close(off.experts(x, weights, ids),
+                                   ref.experts(x, torch.tensor([[0.5, 0.0], [0.5, 0.5]]), ids))
+        assert off.miss.item() == 1
+        ids = torch.tensor([[0, 3], [5, 0]])
+        off.experts(x, weights, ids)
+        assert off.miss.item() == 1, "only the host clears the flag"
+    assert (off.stats.__dict__, list(off.ring), table.tolist()) == before, "no host decision, nothing counted"
+
+
+@pytest.mark.parametrize("model,quantized", [("qwen3moe-F32", None), ("qwen3moe-Q8_0", True)])
+def test_guarded_decode_equals_the_exact_path_and_redoes_misses(tiny_gguf, qwen35moe_gguf, monkeypatch, model,
+                                                                quantized) -> None:
+    """Decode steps over the resident experts (the sync-free step a CUDA graph captures, run eagerly here),
+    discarded and run again eagerly when a routed expert was not resident, give the exact path's greedy tokens
+    in fp32, from every expert hot (no redo) down to every expert cold without a ring (every step redone)."""
+    path = tiny_gguf("qwen3moe", model.split("-")[1])
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    want = engine(path, quantized=quantized)[0].generate(PROMPTS, params)
+    decode_steps = params.max_tokens - 1  # the prompts prefill in one step, which samples the first tokens
+    for budget, ring in (("100%", 0), ("50%", 2), ("25%", 2), ("0%", 0)):  # 25%: the ring alone
+        what = f"{model} budget {budget} ring {ring}"
+        ours, spark = engine(path, SparkConfig(budget=budget, ring=ring, cpu_rows=0), quantized=quantized,
+                             guarded=True, ahead=True)
+        assert ours.ahead is None, "a guarded step is read before it is kept: nothing runs ahead"
+        assert ours.generate(PROMPTS, params) == want, what
+        s = spark.stats
+        assert s.graph_steps + s.redos == decode_steps, what
+        if budget == "100%":
+            assert s.redos == 0 and s.cold == 0, what
+        elif ring == 0:
+            assert s.graph_steps == 0, "every expert cold and no ring: every decode step is run again"
+        else:
+            assert s.redos > 0 and s.copies > 0, what
+        assert spark.props()["redos"] == s.redos
+    # kept steps and redone ones in one stream: a skewed router (simulate.py) keeps returning to the experts
+    # the redone steps copied into the ring, so later steps find them resident
+    from lucebox.engine.spark.simulate import apply_router_skew
+
+    long = SamplingParams(max_tokens=24, ignore_eos=True)
+    ref = engine(path, quantized=quantized)[0]
+    apply_router_skew(ref.loaded.model, 2.0, torch.float32)
+    ours, spark = engine(path, SparkConfig(budget="50%", ring=2, cpu_rows=0), quantized=quantized, guarded=True)
+    apply_router_skew(ours.loaded.model, 2.0, torch.float32)
+    assert ours.generate([IDS], long) == ref.generate([IDS], long)
+    s = spark.stats
+    assert s.graph_steps > 0 and s.redos > 0 and s.graph_steps + s.redos == long.max_tokens - 1, s
+    # spark_engine: LUCEBOX_SPARK_GRAPHS=1 guards the decode steps (graphs on CUDA), never a hybrid's
+    from lucebox.engine.spark.engine import spark_engine
+
+    econf = EngineConfig(device="cpu", dtype="float32", kv_tokens=2048)
+    scfg = SparkConfig(budget="50%", ring=1, cpu_rows=0)
+    monkeypatch.delenv("LUCEBOX_SPARK_GRAPHS", raising=False)
+    assert spark_engine(path, econf, scfg, quiet=True)[0].runner.guard is None, "off by default"
+    monkeypatch.setenv("LUCEBOX_SPARK_GRAPHS", "1")
+    ours, spark = spark_engine(path, econf, scfg, quiet=True)
+    assert ours.runner.guard is not None and ours.generate(PROMPTS, params) == want
+    assert spark.stats.graph_steps + spark.stats.redos == decode_steps
+    hybrid, _ = spark_engine(qwen35moe_gguf, econf, scfg, quiet=True)
+    assert hybrid.runner.guard is None, "a replay moves a hybrid's recurrent state on: it could not be redone"
 
 
 def test_cpu_rule_computes_small_cold_experts_on_the_cpu_until_they_recur() -> None:
@@ -266,10 +361,11 @@ def test_hostile_inputs_are_one_line_and_exit_2(tiny_gguf, qwen35moe_gguf, tmp_p
     assert "cannot run with --tensor-parallel" in capsys.readouterr().err.strip().splitlines()[-1]
 
 
-def test_props_and_metrics_show_the_offload(tiny_gguf) -> None:
+def test_props_and_metrics_show_the_offload(tiny_gguf, monkeypatch) -> None:
     from lucebox.api.common import ServerContext
     from lucebox.serve import ServerConfig, load_into
 
+    monkeypatch.delenv("LUCEBOX_SPARK_GRAPHS", raising=False)
     cfg = ServerConfig(model=str(tiny_gguf("qwen3moe", "F32")), device="cpu", expert_gpu_budget="25%", spark_ring=1,
                        spark_cpu_rows=1, warm_up=False, prefix_cache=False, prefill_compression="off").validate()
     ctx = ServerContext(model_id="tiny", n_ctx=0)
@@ -278,10 +374,11 @@ def test_props_and_metrics_show_the_offload(tiny_gguf) -> None:
     props = ctx.props["spark"]()
     assert props["enabled"] and props["placement"] == "uniform" and props["ring_slots_per_layer"] == 1
     assert props["routed_pairs"] > 0 and 0 < props["cold_hit_rate"] < 1 and props["copies"] > 0
+    assert props["redos"] == props["graph_steps"] == 0, "LUCEBOX_SPARK_GRAPHS is off by default"
     text = ctx.metrics.render()
     for name in ("lucebox_spark_cold_hits_total", "lucebox_spark_expert_copies_total",
                  "lucebox_spark_cpu_expert_seconds_total", "lucebox_spark_cold_hit_rate",
-                 "lucebox_spark_copies_per_second"):
+                 "lucebox_spark_copies_per_second", "lucebox_spark_redos_total"):
         assert f"\n{name} " in text, name
 
 
@@ -347,6 +444,32 @@ def test_decode_steps_run_the_experts_kernel_over_the_slots(monkeypatch) -> None
 
 
 @needs_kernel
+def test_the_sync_free_step_runs_the_experts_kernel_over_the_slots(monkeypatch) -> None:
+    """What a decode graph captures: one launch over the slots, the routing mapped through `slot_table`, a
+    missing expert's pairs weighted 0 and `miss` set."""
+    ref, moe = moe_layer().to(KERNEL_DEVICE), moe_layer()
+    off = LayerOffload(moe, hot=[0, 1], ring_slots=2, device=torch.device(KERNEL_DEVICE), rule=OffloadRule(0),
+                       stats=SparkStats())
+    if KERNEL_DEVICE == "cpu":
+        monkeypatch.setattr(triton_moe, "ON_CPU", True)
+    launches, kernel = [], triton_moe.moe_experts
+    monkeypatch.setattr(triton_moe, "moe_experts", lambda *a: launches.append(a[3]) or kernel(*a))
+    x = torch.randn(2, 32, generator=torch.Generator().manual_seed(1)).to(KERNEL_DEVICE)
+    weights = torch.full((2, 2), 0.5, device=KERNEL_DEVICE)
+    off.optimistic = True
+    for experts, used in (([[0, 1], [1, 0]], [[0.5, 0.5], [0.5, 0.5]]), ([[0, 5], [1, 0]], [[0.5, 0.0], [0.5, 0.5]])):
+        ids = torch.tensor(experts, device=KERNEL_DEVICE)
+        with torch.no_grad():
+            ours = off.experts(x, weights, ids)
+            with monkeypatch.context() as m:
+                m.setattr(triton_moe, "ENABLED", False)
+                want = ref.experts(x, torch.tensor(used, device=KERNEL_DEVICE), ids)
+        torch.testing.assert_close(ours, want, rtol=2e-5, atol=2e-5)
+        assert off.miss.item() == (5 in sum(experts, [])), experts
+    assert launches == [4, 4] and off.stats.routed == 0
+
+
+@needs_kernel
 @pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
 def test_offloaded_engine_on_the_kernel_path_gives_the_all_device_tokens(tiny_gguf, monkeypatch, qtype) -> None:
     """As it runs on CUDA (pinned host store, copy stream, decode through the kernel over the slots; Q8_0
@@ -364,3 +487,40 @@ def test_offloaded_engine_on_the_kernel_path_gives_the_all_device_tokens(tiny_gg
         ours, spark = spark_engine(path, econf, SparkConfig(budget=budget, ring=ring, cpu_rows=0), quiet=True)
         assert ours.generate(prompts, params) == want, budget
         assert spark.stats.cold > 0 and spark.stats.copies > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
+def test_graph_resident_decode_gives_the_eager_tokens_on_cuda(tiny_gguf, monkeypatch, qtype) -> None:
+    """LUCEBOX_SPARK_GRAPHS=1: decode steps replayed from CUDA graphs over the resident experts give the eager
+    Spark engine's greedy tokens (fp32); a step that routed to a cold expert is run again eagerly (counted)."""
+    from lucebox.engine.spark.engine import spark_engine
+
+    path = tiny_gguf("qwen3moe", qtype)
+    econf = EngineConfig(device="cuda", dtype="float32", kv_tokens=2048, weights="quantized", max_num_seqs=4)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    for budget, ring in (("100%", 0), ("40%", 2), ("0%", 0)):
+        what = f"{qtype} budget {budget} ring {ring}"
+        scfg = SparkConfig(budget=budget, ring=ring, cpu_rows=0)
+        monkeypatch.setenv("LUCEBOX_SPARK_GRAPHS", "0")
+        eager, _ = spark_engine(path, econf, scfg, quiet=True)
+        assert eager.runner.graphs is None
+        want = eager.generate(PROMPTS, params)
+        del eager
+        monkeypatch.setenv("LUCEBOX_SPARK_GRAPHS", "1")
+        ours, spark = spark_engine(path, econf, scfg, quiet=True)
+        runner = ours.runner
+        assert runner.graphs is not None and runner.prefill_graphs is None and ours.ahead is None, what
+        if ring:
+            ours.warm_up(progress=False)  # every bucket captured up front, as serving does
+        assert ours.generate(PROMPTS, params) == want, what
+        s = spark.stats
+        assert runner.graphs.graphs and s.graph_steps + s.redos > 0, what
+        if budget == "100%":
+            assert s.redos == 0 and s.graph_steps > 0, what
+        else:
+            assert s.redos > 0, what
+        if ring == 0 and budget == "0%":
+            assert s.graph_steps == 0, what
+        del ours, spark
+        torch.cuda.empty_cache()

@@ -116,7 +116,8 @@ def measure(engine: LLMEngine, spark: Any, prompts: list[list[int]], gen_len: in
         s = spark.stats
         row.update(decode_cold_hit_rate=dec["cold"] / dec["routed"] if dec["routed"] else 0.0,
                    cold_hit_rate=s.cold_hit_rate, copies_per_s=s.copies / wall, cpu_experts=s.cpu_experts,
-                   cpu_expert_s=s.cpu_seconds, ring_hits=s.ring_hits, predicted_cold_hit_rate=spark.info[
+                   cpu_expert_s=s.cpu_seconds, ring_hits=s.ring_hits, graph_steps=s.graph_steps, redos=s.redos,
+                   predicted_cold_hit_rate=spark.info[
                        "predicted_cold_hit_rate"], hot_experts=spark.info["hot_experts"])
     return row
 
@@ -201,7 +202,7 @@ def run(args: argparse.Namespace, path: Path, tmp: Path, kinds: dict[str, list[A
     def offloaded(config: str, budget: Budget, ring: int, profile: str | None, kind: str) -> None:
         scfg = SparkConfig(profile=profiles[profile] if profile else None, budget=str(budget), ring=ring,
                            cpu_rows=args.cpu_rows, placement="calibrated" if profile else "uniform", ring_fit=True)
-        engine, spark = spark_engine(path, dataclasses.replace(econf, cuda_graphs=False), scfg, quiet=True)
+        engine, spark = spark_engine(path, econf, scfg, quiet=True)  # graphs: LUCEBOX_SPARK_GRAPHS
         if skew is not None:
             apply_router_skew(engine.loaded.model, skew, engine.loaded.dtype)
         row = measure(engine, spark, split[kind][1], args.gen_len)

@@ -104,7 +104,10 @@ class StepOutput:
 
 
 class LLMEngine:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None) -> None:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None,
+                 decode_guard: Callable[[Callable[[], Any]], Any] | None = None) -> None:
+        """`decode_guard`: Spark's graph-resident decode (ModelRunner.guard, spark/engine.py): decode-only steps
+        run under it, nothing runs a step ahead, and speculation's steps are not captured."""
         self.loaded = loaded
         self.config = config or EngineConfig()
         self.model_config = loaded.config
@@ -152,6 +155,7 @@ class LLMEngine:
                      RecurrentStates.bytes_per_slot(loaded.config) / 2**20,
                      "; CUDA graphs are off for hybrid models (LUCEBOX_HYBRID_GRAPHS=0)" if graphs_off else "")
         self.runner = ModelRunner(loaded.model, self.kv, loaded.dtype)
+        self.runner.guard = decode_guard
         if self.config.cuda_graphs and (not self.hybrid or cuda_graphs.HYBRID):  # a hybrid's: decode-only steps
             self.runner.enable_cuda_graphs(self.config.max_num_seqs, self.n_ctx, self.config.max_step_tokens)
         self.scheduler = Scheduler(
@@ -309,7 +313,7 @@ class LLMEngine:
                 self.scheduler.decode_start = self._decode_start
         static = self.config.spec_static
         # (not for a hybrid: its verification keeps every row's recurrent state, eagerly)
-        if spec is not None and not self.hybrid and (
+        if spec is not None and not self.hybrid and self.runner.guard is None and (
                 static or (static is None and self.device.type == "cuda" and self.config.cuda_graphs)):
             from lucebox.engine.spec.static import StaticSpec
 
@@ -323,7 +327,8 @@ class LLMEngine:
         if on is None:
             on = self.runner.graphs is not None
         graphs = self.runner.graphs is not None
-        return on and self.config.tensor_parallel == 1 and (self.device.type != "cuda" or graphs)
+        return (on and self.config.tensor_parallel == 1 and (self.device.type != "cuda" or graphs)
+                and self.runner.guard is None)  # a guarded step is read before it is kept (spark/engine.py)
 
     @property
     def _lazy_context(self) -> bool:

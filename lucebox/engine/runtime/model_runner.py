@@ -12,7 +12,9 @@ sample (and, for DFlash, the chosen layers' outputs).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -73,6 +75,10 @@ class ModelRunner:
         self.device = kv.data.device
         self.graphs: CudaGraphDecoder | None = None
         self.prefill_graphs: PrefillGraphs | None = None
+        # Spark's graph-resident decode (spark/engine.py Spark.guarded): runs a decode-only step (the graph's
+        # replay; without graphs the same sync-free step eagerly) and returns None when it must be run again
+        # eagerly. Mixed steps then run eagerly too (no decode replay beside a prefill).
+        self.guard: Callable[[Callable[[], Any]], Any] | None = None
         self._staging = _Staging(self.device)
         # A step's prefill chunks share one ragged attention group where the Triton kernels run (one launch
         # per layer however many prompts a step admits); elsewhere one group each, for the SDPA reference.
@@ -207,14 +213,20 @@ class ModelRunner:
     def run(self, chunks: list[Chunk]) -> tuple[list[Chunk], torch.Tensor, torch.Tensor | None]:
         """Forward the chunks; returns the chunks that sample (in logits order), their logits,
         and their argmax tokens when a CUDA graph already computed them."""
-        if self.graphs is not None:
-            decodes = [c for c in chunks if is_decode(c)]
-            if decodes and len(decodes) == len(chunks):
+        decodes = [c for c in chunks if is_decode(c)]
+        decode_only = bool(decodes) and len(decodes) == len(chunks)
+        if decode_only and self.guard is not None:  # Spark: None means run it again eagerly (below)
+            out = self.guard(lambda: self._decode(decodes))
+            if out is not None:
+                return decodes, out[0], out[1]
+        elif self.graphs is not None:
+            if decode_only:
                 out = self.graphs.run(decodes)
                 if out is not None:
                     return decodes, out[0], out[1]
-            elif decodes and self.kv.states is None:  # a hybrid's runs eagerly: if its prefill raised after
-                # the replay moved the decodes' states on, running the step again would move them twice
+            elif decodes and self.kv.states is None and self.guard is None:  # a hybrid's runs eagerly: if its
+                # prefill raised after the replay moved the decodes' states on, running the step again would
+                # move them twice
                 mixed = self._run_overlapped(decodes, [c for c in chunks if not is_decode(c)])
                 if mixed is not None:
                     return mixed
@@ -224,6 +236,12 @@ class ModelRunner:
                     return prefilled[0], prefilled[1], None
         result = self.forward(self.prepare(chunks))
         return [c for c in result.inputs.order if c.wants_logits], result.logits, None
+
+    def _decode(self, decodes: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """A decode-only step's (logits, argmax or None): the graph's replay (None: no bucket), else eagerly."""
+        if self.graphs is not None:
+            return self.graphs.run(decodes)
+        return self.forward(self.prepare(decodes)).logits, None
 
     def _run_overlapped(
         self, decodes: list[Chunk], prefills: list[Chunk]

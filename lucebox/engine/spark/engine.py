@@ -2,8 +2,13 @@
 slots and host memory (offload.py) by a placement (placement.py, from a profile or uniform), everything else
 moved to the device, then an LLMEngine over it.
 
-The decode step is not one CUDA graph here: which experts are resident is decided on the host every layer,
-so the engine runs with CUDA graphs off (the eager path, as on the CPU).
+The decode step is not one CUDA graph by default: which experts are resident is decided on the host every
+layer, so the engine runs with CUDA graphs off (the eager path, as on the CPU). LUCEBOX_SPARK_GRAPHS=1 (opt-in,
+not yet timed on a GPU) runs decode-only steps as CUDA graph replays over the resident experts (offload.py's
+`slot_table`), guarded by `Spark.guarded`: the host zeroes the shared `miss` flag before the replay and reads
+it after (one sync a step); a step that routed to an expert not resident is discarded and run again eagerly,
+which copies that expert in (counted in `redos`). Prefill and mixed steps stay eager, nothing runs a step
+ahead (runtime/ahead.py), and a hybrid model (recurrent state, advanced in place by a replay) stays eager.
 
 Under tensor parallelism (engine/parallel) each rank holds experts [r E/N, (r+1) E/N) of every MoE layer and
 places those alone, from the same profile, on its own device: the budget stays the whole model's (as a
@@ -17,9 +22,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -31,6 +38,7 @@ from lucebox.errors import LuceboxError
 
 log = logging.getLogger("lucebox.spark")
 PLACEMENTS = ("auto", "calibrated", "uniform")
+T = TypeVar("T")
 
 
 @dataclass
@@ -61,8 +69,30 @@ class SparkConfig:
 class Spark:
     """The placed experts of one model: its layers' offloads, the counters and what was chosen (/props)."""
 
-    def __init__(self, layers: dict[int, LayerOffload], stats: SparkStats, rule: OffloadRule, info: dict[str, Any]):
+    def __init__(self, layers: dict[int, LayerOffload], stats: SparkStats, rule: OffloadRule, info: dict[str, Any],
+                 miss: torch.Tensor):
         self.layers, self.stats, self.rule, self.info = layers, stats, rule, info
+        self.miss = miss  # the layers' shared flag: a step over the resident experts routed to another one
+
+    def guarded(self, step: Callable[[], T | None]) -> T | None:
+        """Run a decode step over the resident experts only (a CUDA graph's replay; eagerly, the same sync-free
+        path: the CPU tests) and return its result, or None when it routed to an expert that was not resident:
+        the caller runs the step again eagerly (counted in `redos`). `step` returning None is passed on."""
+        self.miss.zero_()
+        for o in self.layers.values():
+            o.optimistic = True
+        try:
+            out = step()
+        finally:
+            for o in self.layers.values():
+                o.optimistic = False
+        if out is None:
+            return None
+        if self.miss.item():  # the step's one host sync
+            self.stats.redos += 1
+            return None
+        self.stats.graph_steps += 1
+        return out
 
     def props(self) -> dict[str, Any]:
         return {"enabled": True, **self.info,
@@ -83,6 +113,8 @@ class Spark:
         metrics.counter("lucebox_spark_expert_copy_bytes_total", "Bytes of experts copied host to device",
                         lambda: s.copy_bytes)
         metrics.counter("lucebox_spark_cpu_experts_total", "Cold experts computed on the CPU", lambda: s.cpu_experts)
+        metrics.counter("lucebox_spark_redos_total", "Decode steps over the resident experts run again eagerly "
+                        "(LUCEBOX_SPARK_GRAPHS=1)", lambda: s.redos)
         metrics.counter("lucebox_spark_cpu_expert_seconds_total", "Seconds spent computing experts on the CPU",
                         lambda: s.cpu_seconds)
         metrics.gauge("lucebox_spark_cold_hit_rate", "Cold hits over routed pairs since start",
@@ -127,7 +159,8 @@ def place_experts(loaded: Any, device: torch.device, cfg: SparkConfig, quiet: bo
     stats = SparkStats()
     stream = torch.cuda.Stream(device) if device.type == "cuda" else None
     rule = OffloadRule(cfg.cpu_rows or 0, cfg.promote_after)
-    offloads = {i: LayerOffload(m, hot[i], ring, device, rule, stats, stream) for i, m in layers.items()}
+    miss = torch.zeros(1, dtype=torch.int32, device=device)
+    offloads = {i: LayerOffload(m, hot[i], ring, device, rule, stats, stream, miss) for i, m in layers.items()}
     if cfg.cpu_rows is None:
         probe = next((o for o in offloads.values() if o.cold), next(iter(offloads.values())))
         measured = measure_rule(probe, cfg.promote_after)
@@ -146,7 +179,7 @@ def place_experts(loaded: Any, device: torch.device, cfg: SparkConfig, quiet: bo
                  "ring %d per layer), cold on the host; CPU rule: cold experts of <= %d rows on the CPU", kind,
                  n_hot, len(held) * len(layers), held.start, held.stop - 1, device, budget_bytes / GB, total / GB,
                  ring, rule.cpu_rows)
-    return Spark(offloads, stats, rule, info)
+    return Spark(offloads, stats, rule, info, miss)
 
 
 def _held_counts(counts: dict[int, list[int]], held: range) -> dict[int, list[int]]:
@@ -179,4 +212,12 @@ def spark_engine(path: Path, config: Any, cfg: SparkConfig, quiet: bool = False)
     loaded = load_model(Path(path), device="cpu", dtype=config.resolve_dtype(device), quiet=quiet,
                         quantized=quantized)
     spark = place_experts(loaded, device, cfg, quiet)
-    return LLMEngine(loaded, dataclasses.replace(config, cuda_graphs=False)), spark
+    guard = spark.guarded if graphs_on() and not loaded.config.is_hybrid else None
+    config = dataclasses.replace(config, cuda_graphs=config.cuda_graphs and guard is not None)
+    return LLMEngine(loaded, config, decode_guard=guard), spark
+
+
+def graphs_on() -> bool:
+    """LUCEBOX_SPARK_GRAPHS=1: decode steps as CUDA graph replays over the resident experts (module docstring).
+    Off by default until timed on a GPU."""
+    return os.environ.get("LUCEBOX_SPARK_GRAPHS", "0") == "1"

@@ -20,6 +20,14 @@ of rows as an expert of the stacked weights. A step:
    the slots as its stacked experts and the routing mapped to slot ids (the CPU's pairs weighted 0 there and
    added after), as the all-device model runs it.
 
+The graph-resident decode (LUCEBOX_SPARK_GRAPHS=1, spark/engine.py): each layer keeps `slot_table`, a device
+tensor [n_experts] of every expert's slot (-1: not resident), updated in place whenever the ring changes, so
+a decode step can run over the resident experts with no host sync (`_resident`: what a CUDA graph captures,
+and what runs eagerly while `optimistic` is set): a routed pair whose expert is not resident is weighted 0
+and sets the model's shared `miss` flag; the engine reads the flag after the step and, when set, runs the
+step again eagerly (the path above, which copies the missing experts in). Such steps do not count routed,
+hot, ring or cold pairs (the host never sees their routing), nor move ring experts to the back of the LRU.
+
 A Q4_K expert of Qwen3-30B-A3B's shape measured on this project's 2-core CPU box: copy 0.1 ms (a memcpy),
 CPU matmuls on one row 52 ms, so the rule gives 0 there.
 
@@ -68,6 +76,8 @@ class SparkStats:
     copy_bytes: int = 0
     cpu_experts: int = 0  # cold experts computed on the CPU
     cpu_seconds: float = 0.0
+    graph_steps: int = 0  # decode steps run over the resident experts and kept (LUCEBOX_SPARK_GRAPHS=1)
+    redos: int = 0  # such steps that routed to an expert not resident: run again eagerly
     started: float = field(default_factory=time.monotonic)
 
     @property
@@ -81,11 +91,13 @@ class SparkStats:
         return {"routed_pairs": self.routed, "hot_pairs": self.hot, "ring_hits": self.ring_hits,
                 "cold_hits": self.cold, "cold_hit_rate": round(self.cold_hit_rate, 4), "copies": self.copies,
                 "copy_bytes": self.copy_bytes, "copies_per_s": round(self.copies_per_second(), 2),
-                "cpu_experts": self.cpu_experts, "cpu_expert_seconds": round(self.cpu_seconds, 4)}
+                "cpu_experts": self.cpu_experts, "cpu_expert_seconds": round(self.cpu_seconds, 4),
+                "graph_steps": self.graph_steps, "redos": self.redos}
 
     def reset(self) -> None:
         self.routed = self.hot = self.ring_hits = self.cold = self.copies = self.copy_bytes = 0
         self.cpu_experts, self.cpu_seconds, self.started = 0, 0.0, time.monotonic()
+        self.graph_steps = self.redos = 0
 
 
 class _Projection:
@@ -108,9 +120,13 @@ class LayerOffload:
     those are the ones placed, and another rank's routed pairs are left out here (that rank adds them in the
     MoE's all-reduce), so the counters are this rank's."""
 
+    optimistic = False  # eagerly, the decode step a CUDA graph captures (`_resident`); set by Spark.guarded
+
     def __init__(self, moe: MoE, hot: list[int], ring_slots: int, device: torch.device, rule: OffloadRule,
-                 stats: SparkStats, copy_stream: Any = None) -> None:
+                 stats: SparkStats, copy_stream: Any = None, miss: torch.Tensor | None = None) -> None:
         self.moe, self.device, self.rule, self.stats, self.copy_stream = moe, device, rule, stats, copy_stream
+        # set (non-zero) by a step over the resident experts that routed to another one (shared by the model)
+        self.miss = miss if miss is not None else torch.zeros(1, dtype=torch.int32, device=device)
         self.hot = sorted(set(hot))
         if not set(self.hot) <= set(moe.held):
             raise ValueError(f"hot experts {self.hot} are not all among the layer's experts {moe.held}")
@@ -119,7 +135,8 @@ class LayerOffload:
         self.proj = [_Projection(lin, rows) for lin, rows in zip(lins, (moe.ff, moe.ff, moe.hidden))]
         n_slots = len(self.hot) + ring_slots
         pin = device.type == "cuda"
-        self.slots = [torch.empty(n_slots * p.rows, p.src.shape[1], dtype=p.src.dtype, device=device)
+        # zeros, not garbage: a sync-free step computes a ring slot not filled yet with its pairs weighted 0
+        self.slots = [torch.zeros(n_slots * p.rows, p.src.shape[1], dtype=p.src.dtype, device=device)
                       for p in self.proj]
         self.host = [torch.empty(len(self.cold) * p.rows, p.src.shape[1], dtype=p.src.dtype, pin_memory=pin)
                      for p in self.proj]
@@ -132,6 +149,10 @@ class LayerOffload:
         self.hot_slot = {e: i for i, e in enumerate(self.hot)}
         self.host_index = {e: i for i, e in enumerate(self.cold)}
         self.ring: OrderedDict[int, int] = OrderedDict()  # expert -> slot, least recently used first
+        # every expert's slot on the device (-1: not resident): the hot ones' now, the ring's as it changes
+        table = torch.full((moe.n_experts,), -1, dtype=torch.int64)
+        table[self.hot] = torch.arange(len(self.hot))
+        self.slot_table = table.to(device)  # never reassigned: a captured graph reads this tensor
         self.free = list(range(len(self.hot), n_slots))
         self.cpu_runs: dict[int, int] = {}  # cold expert -> CPU computations since its last copy
         for lin, p in zip(lins, self.proj):  # the stacked tensors now live in the slots and the host store
@@ -165,6 +186,7 @@ class LayerOffload:
             return self.free.pop()
         for victim in self.ring:
             if victim not in busy:
+                self.slot_table[victim] = -1
                 return self.ring.pop(victim)
         return None
 
@@ -177,6 +199,8 @@ class LayerOffload:
 
     def experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """MoE.experts' result, computed from the slots, the ring, copies and the CPU (module docstring)."""
+        if self.optimistic or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+            return self._resident(x, weights, ids)
         moe = self.moe
         flat = ids.reshape(-1)
         counts = torch.bincount(flat, minlength=moe.n_experts).tolist()  # the one host sync
@@ -212,7 +236,7 @@ class LayerOffload:
         if self.copy_stream is not None and copies and kernel:
             torch.cuda.current_stream(self.device).wait_event(self.copy_event)
         if kernel:  # one launch over the slots: the routing remapped to slot ids, the CPU's pairs weighted 0
-            out = self._kernel(x, weights, ids, {**dict(resident), **{e: s for e, (s, _) in copies.items()}})
+            out = self._kernel(x, weights, self.slot_table[ids])  # the ring's copies are in the table now
         else:
             out = torch.zeros_like(x)
             for e, slot in resident:
@@ -234,17 +258,36 @@ class LayerOffload:
                 out.index_add_(0, rows[seg], ys[e] * pair_weights[seg])
         return out
 
-    def _kernel(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                slot_of: dict[int, int]) -> torch.Tensor:
-        """The routed experts in `slot_of` through kernels/triton_moe.py with the slots as its stacked weights."""
-        table = torch.full((self.moe.n_experts,), -1, dtype=ids.dtype)
-        table[list(slot_of)] = torch.tensor(list(slot_of.values()), dtype=ids.dtype)
-        slot_ids = table.to(self.device, non_blocking=True)[ids]
+    def _resident(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The routed experts that are resident, from `slot_table`, with no host sync (module docstring): a
+        pair whose expert is not resident weighs 0 and sets `miss`. Another rank's pair weighs 0 (not a miss)."""
+        moe, held = self.moe, self.moe.held
+        slot_ids = self.slot_table[ids]
+        cold = slot_ids < 0
+        if len(held) < moe.n_experts:
+            cold = cold & (ids >= held.start) & (ids < held.stop)
+        self.miss.logical_or_(cold.any())
+        n_slots = len(self.slots[0]) // self.proj[0].rows
+        if n_slots == 0:
+            return torch.zeros_like(x)
+        if triton_moe.use_kernel(x):
+            return self._kernel(x, weights, slot_ids)
+        # every slot over every row (as MoE.experts_every); scatter_add: the pairs weighted 0 share slot 0
         w = weights.masked_fill(slot_ids < 0, 0)
+        dense = torch.zeros(x.shape[0], n_slots, device=x.device, dtype=x.dtype)
+        dense.scatter_add_(1, slot_ids.clamp(min=0), w)
+        out = torch.zeros_like(x)
+        for s in range(n_slots):
+            out += expert_ffn(x, *self.weights_at(self.slots, s), moe.act) * dense[:, s, None]
+        return out
+
+    def _kernel(self, x: torch.Tensor, weights: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor:
+        """The routed pairs through kernels/triton_moe.py with the slots as its stacked weights, the routing
+        mapped to slots (`slot_table[ids]`); a pair whose expert has no slot (-1: cold, on the CPU) weighs 0."""
         stacked = [QuantWeight(t, p.qtype, p.cols, p.dtype) if p.qtype is not None else t
                    for p, t in zip(self.proj, self.slots)]
-        return triton_moe.moe_experts(x, w, slot_ids.clamp(min=0), len(self.slots[0]) // self.proj[0].rows,
-                                      *stacked, self.moe.act)
+        return triton_moe.moe_experts(x, weights.masked_fill(slot_ids < 0, 0), slot_ids.clamp(min=0),
+                                      len(self.slots[0]) // self.proj[0].rows, *stacked, self.moe.act)
 
     def _issue_copies(self, copied: list[int], busy: set[int]) -> dict[int, tuple[int | None, Any]]:
         """Start the copies of `copied` (on the copy stream on CUDA); {expert: (ring slot, one-step buffers)}."""
@@ -271,6 +314,7 @@ class LayerOffload:
             self.cpu_runs.pop(e, None)
             if slot is not None:
                 self.ring[e] = slot
+                self.slot_table[e] = slot
         return out
 
     def _copy_into(self, e: int, slot: int | None, stage: list[torch.Tensor] | None) -> None:
