@@ -128,7 +128,8 @@ def test_ring_is_lru_and_never_evicts_an_expert_the_step_uses() -> None:
 def test_slot_table_follows_the_ring_and_the_sync_free_step_flags_misses() -> None:
     """`slot_table` (one tensor, updated in place) says every expert's slot as the hot set and the ring do,
     through fills and evictions; the sync-free step equals the exact one when every routed expert is resident,
-    and otherwise weighs the missing pairs 0 and sets `miss` (never clearing it)."""
+    and otherwise weighs the missing pairs 0 and marks their experts in `missed` (never clearing it); `fetch`
+    copies missed experts into the ring, or nothing when the ring is too small for them."""
     ref, moe = moe_layer(), moe_layer()
     off = LayerOffload(moe, hot=[0], ring_slots=2, device=torch.device("cpu"), rule=OffloadRule(0),
                        stats=SparkStats())
@@ -152,23 +153,31 @@ def test_slot_table_follows_the_ring_and_the_sync_free_step_flags_misses() -> No
     with torch.no_grad():
         ids = torch.tensor([[0, 3], [5, 0]])
         torch.testing.assert_close(off.experts(x, weights, ids), ref.experts(x, weights, ids))
-        assert off.miss.item() == 0
+        assert not off.missed.any()
         ids = torch.tensor([[0, 6], [5, 0]])  # 6 is in host memory: weighed 0, a miss
         torch.testing.assert_close(off.experts(x, weights, ids),
                                    ref.experts(x, torch.tensor([[0.5, 0.0], [0.5, 0.5]]), ids))
-        assert off.miss.item() == 1
+        assert off.missed.nonzero().flatten().tolist() == [6]
         ids = torch.tensor([[0, 3], [5, 0]])
         off.experts(x, weights, ids)
-        assert off.miss.item() == 1, "only the host clears the flag"
+        assert off.missed.nonzero().flatten().tolist() == [6], "only the host clears it"
     assert (off.stats.__dict__, list(off.ring), table.tolist()) == before, "no host decision, nothing counted"
+    off.optimistic = False
+    assert not off.fetch([1, 2, 6]), "three experts, a ring of two"
+    assert (list(off.ring), table.tolist()) == before[1:]
+    assert off.fetch([6]) and list(off.ring) == [3, 6] and table.tolist() == expected(), "5 was least recent"
+    off.optimistic = True
+    with torch.no_grad():
+        ids = torch.tensor([[0, 6], [3, 0]])
+        torch.testing.assert_close(off.experts(x, weights, ids), ref.experts(x, weights, ids))
 
 
 @pytest.mark.parametrize("model,quantized", [("qwen3moe-F32", None), ("qwen3moe-Q8_0", True)])
 def test_guarded_decode_equals_the_exact_path_and_redoes_misses(tiny_gguf, qwen35moe_gguf, monkeypatch, model,
                                                                 quantized) -> None:
     """Decode steps over the resident experts (the sync-free step a CUDA graph captures, run eagerly here),
-    discarded and run again eagerly when a routed expert was not resident, give the exact path's greedy tokens
-    in fp32, from every expert hot (no redo) down to every expert cold without a ring (every step redone)."""
+    replayed after copying in what they missed or run again eagerly, give the exact path's greedy tokens in
+    fp32, from every expert hot (no redo) down to every expert cold without a ring (every step redone)."""
     path = tiny_gguf("qwen3moe", model.split("-")[1])
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     want = engine(path, quantized=quantized)[0].generate(PROMPTS, params)
@@ -186,8 +195,9 @@ def test_guarded_decode_equals_the_exact_path_and_redoes_misses(tiny_gguf, qwen3
         elif ring == 0:
             assert s.graph_steps == 0, "every expert cold and no ring: every decode step is run again"
         else:
-            assert s.redos > 0 and s.copies > 0, what
-        assert spark.props()["redos"] == s.redos
+            assert s.refetches + s.redos > 0 and s.copies > 0, what
+        assert spark.props()["redos"] == s.redos and spark.props()["refetches"] == s.refetches
+        assert not spark.missed.any(), "read and cleared after every step"
     # kept steps and redone ones in one stream: a skewed router (simulate.py) keeps returning to the experts
     # the redone steps copied into the ring, so later steps find them resident
     from lucebox.engine.spark.simulate import apply_router_skew
@@ -199,7 +209,7 @@ def test_guarded_decode_equals_the_exact_path_and_redoes_misses(tiny_gguf, qwen3
     apply_router_skew(ours.loaded.model, 2.0, torch.float32)
     assert ours.generate([IDS], long) == ref.generate([IDS], long)
     s = spark.stats
-    assert s.graph_steps > 0 and s.redos > 0 and s.graph_steps + s.redos == long.max_tokens - 1, s
+    assert s.graph_steps > 0 and s.refetches > 0 and s.graph_steps + s.redos == long.max_tokens - 1, s
     # spark_engine: LUCEBOX_SPARK_GRAPHS=1 guards the decode steps (graphs on CUDA), never a hybrid's
     from lucebox.engine.spark.engine import spark_engine
 
@@ -378,7 +388,7 @@ def test_props_and_metrics_show_the_offload(tiny_gguf, monkeypatch) -> None:
     text = ctx.metrics.render()
     for name in ("lucebox_spark_cold_hits_total", "lucebox_spark_expert_copies_total",
                  "lucebox_spark_cpu_expert_seconds_total", "lucebox_spark_cold_hit_rate",
-                 "lucebox_spark_copies_per_second", "lucebox_spark_redos_total"):
+                 "lucebox_spark_copies_per_second", "lucebox_spark_redos_total", "lucebox_spark_refetches_total"):
         assert f"\n{name} " in text, name
 
 
@@ -400,8 +410,10 @@ def test_bench_spark_runs_every_configuration(tiny_gguf, tmp_path, capsys) -> No
     doc = json.loads(out.read_text())
     assert doc["simulation"].startswith("SIMULATION")
     configs = [(r["config"], r["budget"], r["profile"], r["eval"]) for r in doc["rows"]]
-    assert configs[0] == ("all-device", "100%", None, "conversation") and len(configs) == 1 + 2 * 3 + 3
+    assert configs[0] == ("all-device", "100%", None, "conversation") and len(configs) == 1 + 2 * 4 + 3
     assert ("calibrated+ring", "50%", "code", "conversation") in configs
+    graphs = [r for r in doc["rows"] if r["config"] == "calibrated+ring+graphs"]
+    assert len(graphs) == 2 and all(r["graph_steps"] + r["redos"] > 0 for r in graphs), graphs
     for r in doc["rows"][1:]:
         assert 0 <= r["cold_hit_rate"] <= 1 and r["decode_tok_s"] > 0
         if r["eval"] == "conversation":
@@ -446,7 +458,7 @@ def test_decode_steps_run_the_experts_kernel_over_the_slots(monkeypatch) -> None
 @needs_kernel
 def test_the_sync_free_step_runs_the_experts_kernel_over_the_slots(monkeypatch) -> None:
     """What a decode graph captures: one launch over the slots, the routing mapped through `slot_table`, a
-    missing expert's pairs weighted 0 and `miss` set."""
+    missing expert's pairs weighted 0 and marked in `missed`."""
     ref, moe = moe_layer().to(KERNEL_DEVICE), moe_layer()
     off = LayerOffload(moe, hot=[0, 1], ring_slots=2, device=torch.device(KERNEL_DEVICE), rule=OffloadRule(0),
                        stats=SparkStats())
@@ -465,7 +477,7 @@ def test_the_sync_free_step_runs_the_experts_kernel_over_the_slots(monkeypatch) 
                 m.setattr(triton_moe, "ENABLED", False)
                 want = ref.experts(x, torch.tensor(used, device=KERNEL_DEVICE), ids)
         torch.testing.assert_close(ours, want, rtol=2e-5, atol=2e-5)
-        assert off.miss.item() == (5 in sum(experts, [])), experts
+        assert off.missed.nonzero().flatten().tolist() == ([5] if 5 in sum(experts, []) else []), experts
     assert launches == [4, 4] and off.stats.routed == 0
 
 
@@ -493,7 +505,8 @@ def test_offloaded_engine_on_the_kernel_path_gives_the_all_device_tokens(tiny_gg
 @pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
 def test_graph_resident_decode_gives_the_eager_tokens_on_cuda(tiny_gguf, monkeypatch, qtype) -> None:
     """LUCEBOX_SPARK_GRAPHS=1: decode steps replayed from CUDA graphs over the resident experts give the eager
-    Spark engine's greedy tokens (fp32); a step that routed to a cold expert is run again eagerly (counted)."""
+    Spark engine's greedy tokens (fp32); a step that routed to a cold expert is replayed after copying it in,
+    or run again eagerly without a ring (counted)."""
     from lucebox.engine.spark.engine import spark_engine
 
     path = tiny_gguf("qwen3moe", qtype)
@@ -517,9 +530,9 @@ def test_graph_resident_decode_gives_the_eager_tokens_on_cuda(tiny_gguf, monkeyp
         s = spark.stats
         assert runner.graphs.graphs and s.graph_steps + s.redos > 0, what
         if budget == "100%":
-            assert s.redos == 0 and s.graph_steps > 0, what
+            assert s.redos == s.refetches == 0 and s.graph_steps > 0, what
         else:
-            assert s.redos > 0, what
+            assert s.refetches + s.redos > 0, what
         if ring == 0 and budget == "0%":
             assert s.graph_steps == 0, what
         del ours, spark

@@ -6,12 +6,16 @@ profile (counts from prefill and `--gen-len` decoded tokens on the all-device mo
 as `spark calibrate` does); the next `--prompts` are the evaluation prompts. Then, at every budget of
 `--budgets` (the experts' device bytes, ring included), on the conversation evaluation prompts, batch 1,
 greedy: all-device (the plain engine, CUDA graphs on), uniform placement, calibrated, calibrated + a ring of
-`--ring` slots per layer; and at the middle budget, calibrated + ring with each kind's profile on each kind's
+`--ring` slots per layer (these eagerly), and calibrated + ring with the graph-resident decode (`+graphs`,
+spark/engine.py; CUDA graphs on a GPU, its sync-free step eagerly on the CPU); and at the middle budget,
+calibrated + ring (graph-resident as LUCEBOX_SPARK_GRAPHS says) with each kind's profile on each kind's
 prompts (a profile trained on one kind evaluated on the other). Per row: TTFT, decode tok/s (and as a share
 of all-device), the cold-hit rate of the decode steps and of the whole request, the rate the calibration
 counts predicted for the placement (in-sample here: the bench holds nothing out of calibration, its
-evaluation prompts are the held-out ones), copies per second, CPU-computed experts, and the greedy tokens'
-agreement with all-device (1.0 in fp32; bf16 on a GPU may flip near ties).
+evaluation prompts are the held-out ones), copies per second, CPU-computed experts, the share of a `+graphs`
+row's decode steps replayed after copying in the cold experts they routed to (`refetch`) or run again eagerly
+(`redo`; its decode cold-hit rate counts those eager steps only, the replays' routing never reaching the
+host), and the greedy tokens' agreement with all-device (1.0 in fp32; bf16 on a GPU may flip near ties).
 
 Random weights route uniformly: `--router-skew zipf:S` biases the router logits to a Zipf popularity of
 exponent S (lucebox/engine/spark/simulate.py); rows measured under it are labelled SIMULATION (table title,
@@ -117,6 +121,7 @@ def measure(engine: LLMEngine, spark: Any, prompts: list[list[int]], gen_len: in
         row.update(decode_cold_hit_rate=dec["cold"] / dec["routed"] if dec["routed"] else 0.0,
                    cold_hit_rate=s.cold_hit_rate, copies_per_s=s.copies / wall, cpu_experts=s.cpu_experts,
                    cpu_expert_s=s.cpu_seconds, ring_hits=s.ring_hits, graph_steps=s.graph_steps, redos=s.redos,
+                   refetches=s.refetches,
                    predicted_cold_hit_rate=spark.info[
                        "predicted_cold_hit_rate"], hot_experts=spark.info["hot_experts"])
     return row
@@ -199,15 +204,17 @@ def run(args: argparse.Namespace, path: Path, tmp: Path, kinds: dict[str, list[A
     del base, counter
     _free()
 
-    def offloaded(config: str, budget: Budget, ring: int, profile: str | None, kind: str) -> None:
+    def offloaded(config: str, budget: Budget, ring: int, profile: str | None, kind: str,
+                  graphs: bool | None = False) -> None:
         scfg = SparkConfig(profile=profiles[profile] if profile else None, budget=str(budget), ring=ring,
-                           cpu_rows=args.cpu_rows, placement="calibrated" if profile else "uniform", ring_fit=True)
-        engine, spark = spark_engine(path, econf, scfg, quiet=True)  # graphs: LUCEBOX_SPARK_GRAPHS
+                           cpu_rows=args.cpu_rows, placement="calibrated" if profile else "uniform", ring_fit=True,
+                           graphs=graphs)
+        engine, spark = spark_engine(path, econf, scfg, quiet=True)
         if skew is not None:
             apply_router_skew(engine.loaded.model, skew, engine.loaded.dtype)
         row = measure(engine, spark, split[kind][1], args.gen_len)
-        row.update(config=config, budget=str(budget), ring=spark.info["ring_slots_per_layer"], profile=profile,
-                   eval=kind)
+        row.update(config=config + ("+graphs" if engine.runner.guard is not None else ""), budget=str(budget),
+                   ring=spark.info["ring_slots_per_layer"], profile=profile, eval=kind)
         if kind == "conversation":
             row["token_agreement"] = agreement(row["outputs"], ref["outputs"])
         rows.append(row)
@@ -218,9 +225,10 @@ def run(args: argparse.Namespace, path: Path, tmp: Path, kinds: dict[str, list[A
         offloaded("uniform", budget, 0, None, "conversation")
         offloaded("calibrated", budget, 0, "conversation", "conversation")
         offloaded("calibrated+ring", budget, args.ring, "conversation", "conversation")
+        offloaded("calibrated+ring", budget, args.ring, "conversation", "conversation", graphs=True)
     middle = budgets[len(budgets) // 2]
     for profile, kind in (("code", "code"), ("code", "conversation"), ("conversation", "code")):
-        offloaded("calibrated+ring", middle, args.ring, profile, kind)
+        offloaded("calibrated+ring", middle, args.ring, profile, kind, graphs=None)
     report(args, path, rows, skew, ref["decode_tok_s"])
     return 0
 
@@ -231,20 +239,27 @@ def report(args: argparse.Namespace, path: Path, rows: list[dict[str, Any]], ske
     model = f"random {args.shape}-shaped qwen3moe ({args.mix})" if args.shape else str(path)
     title = f"bench spark: {model}" + (f" [{sim}]" if sim else "") + ", batch 1, greedy"
     cols = ["config", "budget", "ring", "profile", "eval", "ttft ms", "decode tok/s", "% all-dev", "cold-hit dec",
-            "cold-hit all", "predicted", "copies/s", "cpu experts", "agree"]
+            "cold-hit all", "predicted", "copies/s", "cpu experts", "refetch", "redo", "agree"]
     table = []
     for r in rows:
         pct = 100 * r["decode_tok_s"] / all_device_tok_s if all_device_tok_s else None
         table.append([r["config"], r["budget"], r["ring"], r["profile"], r["eval"], r["ttft_ms"], r["decode_tok_s"],
                       pct, _pct(r.get("decode_cold_hit_rate")), _pct(r.get("cold_hit_rate")),
                       _pct(r.get("predicted_cold_hit_rate")), r.get("copies_per_s"), r.get("cpu_experts"),
-                      _pct(r.get("token_agreement"))])
+                      _pct(_share(r, "refetches")), _pct(_share(r, "redos")), _pct(r.get("token_agreement"))])
     print_table(title, cols, table)
     device = EngineConfig(device=args.device).resolve_device()
     write_json(args.json, {"benchmark": "spark", "simulation": sim, "model": model, "shape": args.shape,
                            "prompts": args.prompts, "prompt_len": args.prompt_len, "gen_len": args.gen_len,
                            "environment": environment(device),
                            "rows": [{k: v for k, v in r.items() if k != "outputs"} for r in rows]})
+
+
+def _share(row: dict[str, Any], key: str) -> float | None:
+    """The share of a graph-resident row's decode steps replayed after a copy (`refetches`) or run again
+    eagerly (`redos`): steps that routed to a cold expert."""
+    steps = row.get("graph_steps", 0) + row.get("redos", 0)
+    return row[key] / steps if steps else None
 
 
 def _pct(v: float | None) -> str | None:

@@ -2,13 +2,15 @@
 slots and host memory (offload.py) by a placement (placement.py, from a profile or uniform), everything else
 moved to the device, then an LLMEngine over it.
 
-The decode step is not one CUDA graph by default: which experts are resident is decided on the host every
-layer, so the engine runs with CUDA graphs off (the eager path, as on the CPU). LUCEBOX_SPARK_GRAPHS=1 (opt-in,
-not yet timed on a GPU) runs decode-only steps as CUDA graph replays over the resident experts (offload.py's
-`slot_table`), guarded by `Spark.guarded`: the host zeroes the shared `miss` flag before the replay and reads
-it after (one sync a step); a step that routed to an expert not resident is discarded and run again eagerly,
-which copies that expert in (counted in `redos`). Prefill and mixed steps stay eager, nothing runs a step
-ahead (runtime/ahead.py), and a hybrid model (recurrent state, advanced in place by a replay) stays eager.
+The eager decode step is not one CUDA graph: which experts are resident is decided on the host every layer.
+LUCEBOX_SPARK_GRAPHS=1 runs decode-only steps as CUDA graph replays over the resident experts (offload.py's
+`slot_table`), guarded by `Spark.guarded`: after the replay the host reads whether any layer routed to an
+expert that was not resident (`missed`, one sync a step). Such a step is discarded: the experts it missed are
+copied into their layers' rings and the step replayed (`refetches`), up to `REPLAYS` times, then run again
+eagerly (`redos`), which is also what happens when a ring cannot take them. A replay that follows a miss
+routes the layers after the first missing one from different inputs, so it can miss again: hence the loop.
+Prefill and mixed steps stay eager, nothing runs a step ahead (runtime/ahead.py), and a hybrid model
+(recurrent state, advanced in place by a replay) stays eager.
 
 Under tensor parallelism (engine/parallel) each rank holds experts [r E/N, (r+1) E/N) of every MoE layer and
 places those alone, from the same profile, on its own device: the budget stays the whole model's (as a
@@ -52,6 +54,7 @@ class SparkConfig:
     promote_after: int = 2
     placement: str = "auto"  # auto: calibrated with a profile, else uniform
     ring_fit: bool = False  # shrink `ring` to what the budget holds instead of refusing (bench spark's rows)
+    graphs: bool | None = None  # the graph-resident decode; None: LUCEBOX_SPARK_GRAPHS (bench spark sets both)
 
     def validate(self) -> SparkConfig:
         if self.placement not in PLACEMENTS:
@@ -69,30 +72,48 @@ class SparkConfig:
 class Spark:
     """The placed experts of one model: its layers' offloads, the counters and what was chosen (/props)."""
 
+    REPLAYS = 2  # replays of a step after copying in what it missed, before running it again eagerly
+
     def __init__(self, layers: dict[int, LayerOffload], stats: SparkStats, rule: OffloadRule, info: dict[str, Any],
-                 miss: torch.Tensor):
+                 missed: torch.Tensor):
         self.layers, self.stats, self.rule, self.info = layers, stats, rule, info
-        self.miss = miss  # the layers' shared flag: a step over the resident experts routed to another one
+        self.missed = missed  # [MoE layers, experts]: layer i's row is its offload's `missed`
 
     def guarded(self, step: Callable[[], T | None]) -> T | None:
         """Run a decode step over the resident experts only (a CUDA graph's replay; eagerly, the same sync-free
-        path: the CPU tests) and return its result, or None when it routed to an expert that was not resident:
-        the caller runs the step again eagerly (counted in `redos`). `step` returning None is passed on."""
-        self.miss.zero_()
-        for o in self.layers.values():
-            o.optimistic = True
-        try:
-            out = step()
-        finally:
+        path: the CPU tests) and return its result; when it routed to experts that were not resident, copy
+        them in and replay it, or return None (the caller runs the step again eagerly, counted in `redos`).
+        `step` returning None (no graph for it) is passed on."""
+        for replay in range(self.REPLAYS + 1):
             for o in self.layers.values():
-                o.optimistic = False
-        if out is None:
-            return None
-        if self.miss.item():  # the step's one host sync
-            self.stats.redos += 1
-            return None
-        self.stats.graph_steps += 1
-        return out
+                o.optimistic = True
+            try:
+                out = step()
+            finally:
+                for o in self.layers.values():
+                    o.optimistic = False
+            if out is None:
+                return None
+            if not self.missed.any().item():  # the step's one host sync
+                self.stats.graph_steps += 1
+                return out
+            if replay == self.REPLAYS or not self._fetch_missed():
+                break
+            self.stats.refetches += 1
+        self.missed.zero_()
+        self.stats.redos += 1
+        return None
+
+    def _fetch_missed(self) -> bool:
+        """Copy every layer's missed experts into its ring and clear `missed`; False when a ring could not
+        take them (the layers before it have their copies)."""
+        rows = self.missed.nonzero().tolist()
+        self.missed.zero_()
+        offloads = list(self.layers.values())
+        by_layer: dict[int, list[int]] = {}
+        for layer, expert in rows:
+            by_layer.setdefault(layer, []).append(expert)
+        return all(offloads[layer].fetch(experts) for layer, experts in sorted(by_layer.items()))
 
     def props(self) -> dict[str, Any]:
         return {"enabled": True, **self.info,
@@ -113,6 +134,8 @@ class Spark:
         metrics.counter("lucebox_spark_expert_copy_bytes_total", "Bytes of experts copied host to device",
                         lambda: s.copy_bytes)
         metrics.counter("lucebox_spark_cpu_experts_total", "Cold experts computed on the CPU", lambda: s.cpu_experts)
+        metrics.counter("lucebox_spark_refetches_total", "Decode steps over the resident experts replayed after "
+                        "copying in the experts they missed (LUCEBOX_SPARK_GRAPHS=1)", lambda: s.refetches)
         metrics.counter("lucebox_spark_redos_total", "Decode steps over the resident experts run again eagerly "
                         "(LUCEBOX_SPARK_GRAPHS=1)", lambda: s.redos)
         metrics.counter("lucebox_spark_cpu_expert_seconds_total", "Seconds spent computing experts on the CPU",
@@ -159,8 +182,9 @@ def place_experts(loaded: Any, device: torch.device, cfg: SparkConfig, quiet: bo
     stats = SparkStats()
     stream = torch.cuda.Stream(device) if device.type == "cuda" else None
     rule = OffloadRule(cfg.cpu_rows or 0, cfg.promote_after)
-    miss = torch.zeros(1, dtype=torch.int32, device=device)
-    offloads = {i: LayerOffload(m, hot[i], ring, device, rule, stats, stream, miss) for i, m in layers.items()}
+    missed = torch.zeros(len(layers), n_experts, dtype=torch.bool, device=device)
+    offloads = {i: LayerOffload(m, hot[i], ring, device, rule, stats, stream, missed[k])
+                for k, (i, m) in enumerate(layers.items())}
     if cfg.cpu_rows is None:
         probe = next((o for o in offloads.values() if o.cold), next(iter(offloads.values())))
         measured = measure_rule(probe, cfg.promote_after)
@@ -179,7 +203,7 @@ def place_experts(loaded: Any, device: torch.device, cfg: SparkConfig, quiet: bo
                  "ring %d per layer), cold on the host; CPU rule: cold experts of <= %d rows on the CPU", kind,
                  n_hot, len(held) * len(layers), held.start, held.stop - 1, device, budget_bytes / GB, total / GB,
                  ring, rule.cpu_rows)
-    return Spark(offloads, stats, rule, info, miss)
+    return Spark(offloads, stats, rule, info, missed)
 
 
 def _held_counts(counts: dict[int, list[int]], held: range) -> dict[int, list[int]]:
@@ -212,7 +236,8 @@ def spark_engine(path: Path, config: Any, cfg: SparkConfig, quiet: bool = False)
     loaded = load_model(Path(path), device="cpu", dtype=config.resolve_dtype(device), quiet=quiet,
                         quantized=quantized)
     spark = place_experts(loaded, device, cfg, quiet)
-    guard = spark.guarded if graphs_on() and not loaded.config.is_hybrid else None
+    graphs = cfg.graphs if cfg.graphs is not None else graphs_on()
+    guard = spark.guarded if graphs and not loaded.config.is_hybrid else None
     config = dataclasses.replace(config, cuda_graphs=config.cuda_graphs and guard is not None)
     return LLMEngine(loaded, config, decode_guard=guard), spark
 

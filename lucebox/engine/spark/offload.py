@@ -24,9 +24,11 @@ The graph-resident decode (LUCEBOX_SPARK_GRAPHS=1, spark/engine.py): each layer 
 tensor [n_experts] of every expert's slot (-1: not resident), updated in place whenever the ring changes, so
 a decode step can run over the resident experts with no host sync (`_resident`: what a CUDA graph captures,
 and what runs eagerly while `optimistic` is set): a routed pair whose expert is not resident is weighted 0
-and sets the model's shared `miss` flag; the engine reads the flag after the step and, when set, runs the
-step again eagerly (the path above, which copies the missing experts in). Such steps do not count routed,
-hot, ring or cold pairs (the host never sees their routing), nor move ring experts to the back of the LRU.
+and its expert is marked in the layer's row of `missed` (a device [n_experts] bool). The engine reads the
+model's `missed` after the step and, when any is set, copies the marked experts into the ring (`fetch`) and
+replays the step, or runs it again eagerly (the path above) when the ring cannot take them. Such steps do
+not count routed, hot, ring or cold pairs (the host never sees their routing), nor move ring experts to the
+back of the LRU.
 
 A Q4_K expert of Qwen3-30B-A3B's shape measured on this project's 2-core CPU box: copy 0.1 ms (a memcpy),
 CPU matmuls on one row 52 ms, so the rule gives 0 there.
@@ -77,7 +79,8 @@ class SparkStats:
     cpu_experts: int = 0  # cold experts computed on the CPU
     cpu_seconds: float = 0.0
     graph_steps: int = 0  # decode steps run over the resident experts and kept (LUCEBOX_SPARK_GRAPHS=1)
-    redos: int = 0  # such steps that routed to an expert not resident: run again eagerly
+    refetches: int = 0  # such steps replayed after copying in the experts they missed (fetch)
+    redos: int = 0  # such steps run again eagerly (the ring could not take what they missed)
     started: float = field(default_factory=time.monotonic)
 
     @property
@@ -92,12 +95,12 @@ class SparkStats:
                 "cold_hits": self.cold, "cold_hit_rate": round(self.cold_hit_rate, 4), "copies": self.copies,
                 "copy_bytes": self.copy_bytes, "copies_per_s": round(self.copies_per_second(), 2),
                 "cpu_experts": self.cpu_experts, "cpu_expert_seconds": round(self.cpu_seconds, 4),
-                "graph_steps": self.graph_steps, "redos": self.redos}
+                "graph_steps": self.graph_steps, "refetches": self.refetches, "redos": self.redos}
 
     def reset(self) -> None:
         self.routed = self.hot = self.ring_hits = self.cold = self.copies = self.copy_bytes = 0
         self.cpu_experts, self.cpu_seconds, self.started = 0, 0.0, time.monotonic()
-        self.graph_steps = self.redos = 0
+        self.graph_steps = self.refetches = self.redos = 0
 
 
 class _Projection:
@@ -123,10 +126,11 @@ class LayerOffload:
     optimistic = False  # eagerly, the decode step a CUDA graph captures (`_resident`); set by Spark.guarded
 
     def __init__(self, moe: MoE, hot: list[int], ring_slots: int, device: torch.device, rule: OffloadRule,
-                 stats: SparkStats, copy_stream: Any = None, miss: torch.Tensor | None = None) -> None:
+                 stats: SparkStats, copy_stream: Any = None, missed: torch.Tensor | None = None) -> None:
         self.moe, self.device, self.rule, self.stats, self.copy_stream = moe, device, rule, stats, copy_stream
-        # set (non-zero) by a step over the resident experts that routed to another one (shared by the model)
-        self.miss = miss if miss is not None else torch.zeros(1, dtype=torch.int32, device=device)
+        # the experts a step over the resident ones routed to while not resident (a row of the model's; the
+        # host reads and clears it)
+        self.missed = missed if missed is not None else torch.zeros(moe.n_experts, dtype=torch.bool, device=device)
         self.hot = sorted(set(hot))
         if not set(self.hot) <= set(moe.held):
             raise ValueError(f"hot experts {self.hot} are not all among the layer's experts {moe.held}")
@@ -260,13 +264,15 @@ class LayerOffload:
 
     def _resident(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The routed experts that are resident, from `slot_table`, with no host sync (module docstring): a
-        pair whose expert is not resident weighs 0 and sets `miss`. Another rank's pair weighs 0 (not a miss)."""
+        pair whose expert is not resident weighs 0 and marks it in `missed`. Another rank's pair weighs 0 (not
+        a miss)."""
         moe, held = self.moe, self.moe.held
         slot_ids = self.slot_table[ids]
         cold = slot_ids < 0
         if len(held) < moe.n_experts:
             cold = cold & (ids >= held.start) & (ids < held.stop)
-        self.miss.logical_or_(cold.any())
+        # every pair of an expert has the same `cold`, so the duplicate writes agree; a resident one writes False
+        self.missed.index_put_((ids.reshape(-1),), cold.reshape(-1))
         n_slots = len(self.slots[0]) // self.proj[0].rows
         if n_slots == 0:
             return torch.zeros_like(x)
@@ -288,6 +294,17 @@ class LayerOffload:
                    for p, t in zip(self.proj, self.slots)]
         return triton_moe.moe_experts(x, weights.masked_fill(slot_ids < 0, 0), slot_ids.clamp(min=0),
                                       len(self.slots[0]) // self.proj[0].rows, *stacked, self.moe.act)
+
+    def fetch(self, experts: list[int]) -> bool:
+        """Copy cold `experts` (a step over the resident experts missed them) into ring slots, evicting the
+        least recently used; the device's later work waits for the copies. False, copying nothing, when the
+        ring has too few slots for them."""
+        if len(experts) > len(self.free) + len(self.ring):
+            return False
+        self._issue_copies(experts, set(experts))
+        if self.copy_stream is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.copy_event)
+        return True
 
     def _issue_copies(self, copied: list[int], busy: set[int]) -> dict[int, tuple[int | None, Any]]:
         """Start the copies of `copied` (on the copy stream on CUDA); {expert: (ring slot, one-step buffers)}."""
