@@ -89,6 +89,9 @@ class Spark:
                 o.optimistic = True
             try:
                 out = step()
+            except BaseException:
+                self.missed.zero_()  # a failed step's marks must not read as the next step's misses
+                raise
             finally:
                 for o in self.layers.values():
                     o.optimistic = False
