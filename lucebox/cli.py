@@ -154,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: lazily, which is quicker for one prompt)")
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("bench", help="benchmarks (decode, qmm, serve, agent, spec, cache, pflash, spark)")
+    p = sub.add_parser("bench", help="benchmarks (decode, qmm, moe, serve, agent, spec, cache, pflash, spark)")
     bench = p.add_subparsers(dest="bench", required=True)
     b = bench.add_parser("decode", help="prefill and decode tok/s, this engine vs transformers")
     add_engine_args(b)
@@ -185,6 +185,14 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--rows", default="1,16", help="activation rows: 1 (decode) and up to 16 (batches, verify)")
     b.add_argument("--json", type=Path, default=Path("bench_qmm.json"), help="where to write the results")
     b.set_defaults(func=_lazy("lucebox.bench.qmm", "main"))
+
+    b = bench.add_parser("moe", help="one MoE layer's routed experts alone: the grouped kernel vs the per-pair "
+                                     "int8 gemvs, by decode rows (CUDA)")
+    b.add_argument("--shape", default="qwen3-30b-a3b", help="an MoE --shape of bench spark (default qwen3-30b-a3b)")
+    b.add_argument("--down", default="Q4_K,Q6_K", help="comma-separated down-projection types (Q4_K, Q6_K, Q8_0)")
+    b.add_argument("--rows", default="1,2,4,8,16", help="decode rows (1..64)")
+    b.add_argument("--json", type=Path, default=Path("bench_moe.json"), help="where to write the results")
+    b.set_defaults(func=_lazy("lucebox.bench.moe", "main"))
 
     b = bench.add_parser("serve", help="serving throughput and latency: concurrent streaming requests over HTTP")
     add_engine_args(b)
@@ -317,8 +325,9 @@ def add_spark_bench_args(b: argparse.ArgumentParser) -> None:
     b.add_argument("--router-skew", default=None, metavar="zipf:S",
                    help="SIMULATION for random weights: bias router logits to a Zipf popularity of exponent S; "
                         "labelled in the output")
-    b.add_argument("--shape", default=None, help="benchmark a random-weight qwen3moe of this shape (qwen3-30b-a3b, "
-                   "tiny-moe) with --model's tokenizer, instead of --model")
+    b.add_argument("--shape", default=None, help="benchmark a random-weight MoE of this shape (qwen3-30b-a3b, "
+                   "tiny-moe; the hybrids qwen3.5-35b-a3b, tiny-qwen3.5-moe) with --model's tokenizer, instead of "
+                   "--model")
     b.add_argument("--mix", default="Q4_K_M", help="--shape: the weights' quant mix (Q4_K_M, Q8_0, F16)")
     b.add_argument("--prompts", type=int, default=8, help="prompts per traffic kind to calibrate, and to evaluate")
     b.add_argument("--prompt-len", type=int, default=512, help="prompt tokens at most")

@@ -296,6 +296,60 @@ def test_triton_quantized_experts_kernel_matches_the_grouped_path(tiny_gguf, mon
 
 
 @needs_kernel
+@pytest.mark.parametrize("qtype,overrides,types", [
+    ("Q8_0", {}, "Q8_0 Q8_0 Q8_0"), ("Q4_K", Q4_K_M, "Q4_K Q4_K Q6_K"),
+    ("Q4_K", {"layer_qtypes": (("ffn_up_exps", "Q8_0"),)}, "Q4_K Q8_0 Q8_0"), ("Q6_K", {}, "Q6_K Q6_K Q8_0"),
+    ("Q4_K", {"layer_qtypes": (("ffn_down_exps", "Q5_1"),)}, "Q4_K Q4_K Q5_1"),
+])
+def test_one_row_takes_a_gemv_per_pair_within_int8_rounding(tiny_gguf, monkeypatch, qtype, overrides,
+                                                             types) -> None:
+    """A decode step of one row runs a gemv per (row, expert) pair on int8 activations (triton_qmm.pair_gemv):
+    gate and up in one launch when of one type, else two; Q6_K down rows of one block (210 bytes) start 2 bytes
+    into a word on every other row; a Q5_1 down takes the grouped kernel. Each row of 3 alone equals the same
+    experts run one by one through the dense int8-activation gemv (the same rounding), and the exact grouped
+    path within that rounding."""
+    import torch.nn.functional as F
+
+    from lucebox.engine.kernels import triton_qmm
+    from lucebox.engine.weights.quant import QuantWeight
+
+    loaded = load_model(tiny_gguf("qwen3moe", qtype, **overrides), device=KERNEL_DEVICE, dtype=torch.float32,
+                        quiet=True, quantized=True)
+    moe = loaded.model.blk[0].moe
+    projections = (moe.ffn_gate_exps, moe.ffn_up_exps, moe.ffn_down_exps)
+    assert " ".join(p.qtype for p in projections) == types
+    launches = []
+    real = triton_moe.pair_gemv
+    monkeypatch.setattr(triton_moe, "pair_gemv", lambda *a, **kw: (launches.append(a[1].qtype), real(*a, **kw)))
+    x = torch.randn(3, moe.hidden, generator=torch.Generator().manual_seed(8)).to(KERNEL_DEVICE)
+    with torch.no_grad():
+        weights, ids = moe.route(x)
+        ours = [triton_moe.moe_experts(x[i:i + 1], weights[i:i + 1], ids[i:i + 1], 8,
+                                       *(p.quant for p in projections), moe.act) for i in range(3)]
+        monkeypatch.setattr(triton_moe, "ENABLED", False)
+        ref = moe.experts(x, weights, ids)
+    gate, up, down = types.split()
+    per_row = ([gate] if gate == up else [gate, up]) + ([down] if down != "Q5_1" else [])
+    assert launches == per_row * 3
+
+    def gemv(x: torch.Tensor, w: QuantWeight, e: int, rows: int) -> torch.Tensor:
+        expert = QuantWeight(w.data[e * rows:(e + 1) * rows], w.qtype, w.cols, w.dtype)
+        if w.qtype == "Q5_1":
+            return x @ expert.dequantize().T
+        out = torch.empty(1, rows, device=x.device, dtype=x.dtype)
+        triton_qmm._launch_words(x, expert, None, out, triton_qmm.Q8X_CANDIDATES[w.qtype][0])
+        return out
+
+    gw, uw, dw = (p.quant for p in projections)
+    ff = dw.cols
+    for i in range(3):
+        one = sum(weights[i, j] * gemv(F.silu(gemv(x[i:i + 1], gw, e, ff)) * gemv(x[i:i + 1], uw, e, ff),
+                                        dw, e, moe.hidden) for j, e in enumerate(ids[i].tolist()))
+        torch.testing.assert_close(ours[i], one, rtol=1e-4, atol=1e-5 * one.abs().max().item())
+        assert ((ours[i][0] - ref[i]).norm() / ref[i].norm()).item() < 3e-2
+
+
+@needs_kernel
 @pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
 def test_kernels_give_the_eager_engines_tokens(tiny_gguf, monkeypatch, qtype) -> None:
     """The engine as it runs on CUDA (fused block ops, CUDA graphs for decode, routed experts through the
@@ -402,3 +456,30 @@ def test_fused_gate_up_experts_in_a_gguf_load_like_separate_ones(tiny_gguf, tmp_
     ref = engine(path, quantized=True).score(IDS)
     assert torch.equal(engine(fused, quantized=True).score(IDS), ref)
     assert torch.equal(engine(fused, quantized=False).score(IDS), ref)
+
+
+@needs_kernel
+def test_bench_moe_times_both_paths_in_one_run(monkeypatch, tmp_path, capsys) -> None:
+    """`bench moe` on the tiny shape (the kernels under the interpreter on the CPU, the graph timer stubbed: the
+    grouped path 7 ms, the pair path 1 ms): a row per (down type, rows) with both paths, their ratio, the pair
+    path's difference from the grouped one within int8 rounding, the JSON; PAIR_ROWS is put back."""
+    import argparse
+
+    import triton.testing
+
+    from lucebox.bench import moe as bench_moe
+    from lucebox.bench.spark import SHAPES
+
+    monkeypatch.setattr(triton.testing, "do_bench_cudagraph",
+                        lambda fn, **kw: (fn(), 1.0 if triton_moe.PAIR_ROWS else 7.0)[-1])
+    before = triton_moe.PAIR_ROWS
+    out = tmp_path / "moe.json"
+    assert bench_moe.run(argparse.Namespace(shape="tiny-moe", json=out), SHAPES["tiny-moe"], ["Q6_K"], [1, 2],
+                         torch.device(KERNEL_DEVICE)) == 0
+    assert triton_moe.PAIR_ROWS == before
+    assert "pair vs grouped" in capsys.readouterr().out
+    results = json.loads(out.read_text())["results"]
+    assert [(r["down"], r["rows"]) for r in results] == [("Q6_K", 1), ("Q6_K", 2)]
+    for r in results:
+        assert r["speedup"] == 7.0 and r["grouped_us"] == 7000.0 and 0 < r["routed_experts"] <= 2 * r["rows"]
+        assert r["relative_difference"] < 3e-2

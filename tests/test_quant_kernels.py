@@ -67,6 +67,21 @@ def test_bias_and_writing_into_a_column_slice(qtype: str) -> None:
     assert rel_err(out[:, 8:8 + n], reference(x, w, bias)) < TOL
 
 
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0"])
+def test_zero_rows_launch_nothing(qtype: str) -> None:
+    """A step whose batch has no logit rows calls the LM head on [0, K]: an empty result, no kernel (on the
+    H200 the int8 small-batch kernels read row M - 1 = -1: an illegal memory access that killed the warm-up)."""
+    w = random_weight(qtype, 48, block(qtype) * 2, seed=1).to(DEVICE)
+    qmm.TUNED["small", qtype, 48, w.cols] = qmm.SMALL_Q8X_CANDIDATES[qtype][0]  # the int8 kernel serves
+    try:
+        y = qmm.qmatmul(torch.zeros(0, w.cols, device=DEVICE, dtype=DTYPE), w)
+        assert y.shape == (0, 48)
+        if CUDA:
+            torch.cuda.synchronize()
+    finally:
+        del qmm.TUNED["small", qtype, 48, w.cols]
+
+
 def test_rows_must_match() -> None:
     w = random_weight("Q8_0", 16, 64).to(DEVICE)
     with pytest.raises(ValueError, match="columns"):
@@ -340,7 +355,7 @@ def test_int8_small_batch(qtype: str, m: int, cfg) -> None:
     rows not a multiple of the program's."""
     n, k = 40, 256 * 4
     w = random_weight(qtype, n, k, seed=13).to(DEVICE)
-    x = torch.randn(m, k, device=DEVICE).to(DTYPE)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(DEVICE, DTYPE)  # fixed: not the global RNG
     x[0, 64:96] = 0.0
     out = torch.full((m, n), float("nan"), device=DEVICE, dtype=DTYPE)
     qmm._launch_words(x, w, None, out, cfg)

@@ -172,13 +172,14 @@ def test_slot_table_follows_the_ring_and_the_sync_free_step_flags_misses() -> No
         torch.testing.assert_close(off.experts(x, weights, ids), ref.experts(x, weights, ids))
 
 
-@pytest.mark.parametrize("model,quantized", [("qwen3moe-F32", None), ("qwen3moe-Q8_0", True)])
+@pytest.mark.parametrize("model,quantized", [("qwen3moe-F32", None), ("qwen3moe-Q8_0", True), ("qwen35moe", None)])
 def test_guarded_decode_equals_the_exact_path_and_redoes_misses(tiny_gguf, qwen35moe_gguf, monkeypatch, model,
                                                                 quantized) -> None:
     """Decode steps over the resident experts (the sync-free step a CUDA graph captures, run eagerly here),
     replayed after copying in what they missed or run again eagerly, give the exact path's greedy tokens in
-    fp32, from every expert hot (no redo) down to every expert cold without a ring (every step redone)."""
-    path = tiny_gguf("qwen3moe", model.split("-")[1])
+    fp32, from every expert hot (no redo) down to every expert cold without a ring (every step redone). The
+    hybrid's recurrent states are put back before each rerun: advanced twice, its tokens would differ."""
+    path = qwen35moe_gguf if model == "qwen35moe" else tiny_gguf("qwen3moe", model.split("-")[1])
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     want = engine(path, quantized=quantized)[0].generate(PROMPTS, params)
     decode_steps = params.max_tokens - 1  # the prompts prefill in one step, which samples the first tokens
@@ -210,19 +211,19 @@ def test_guarded_decode_equals_the_exact_path_and_redoes_misses(tiny_gguf, qwen3
     assert ours.generate([IDS], long) == ref.generate([IDS], long)
     s = spark.stats
     assert s.graph_steps > 0 and s.refetches > 0 and s.graph_steps + s.redos == long.max_tokens - 1, s
-    # spark_engine: LUCEBOX_SPARK_GRAPHS=1 guards the decode steps (graphs on CUDA), never a hybrid's
+    # spark_engine: LUCEBOX_SPARK_GRAPHS=1 guards the decode steps (graphs on CUDA), a hybrid's too
     from lucebox.engine.spark.engine import spark_engine
 
     econf = EngineConfig(device="cpu", dtype="float32", kv_tokens=2048)
     scfg = SparkConfig(budget="50%", ring=1, cpu_rows=0)
     monkeypatch.delenv("LUCEBOX_SPARK_GRAPHS", raising=False)
-    assert spark_engine(path, econf, scfg, quiet=True)[0].runner.guard is None, "off by default"
+    assert spark_engine(path, econf, scfg, quiet=True)[0].runner.guard is None, "off by default on the CPU"
     monkeypatch.setenv("LUCEBOX_SPARK_GRAPHS", "1")
     ours, spark = spark_engine(path, econf, scfg, quiet=True)
     assert ours.runner.guard is not None and ours.generate(PROMPTS, params) == want
     assert spark.stats.graph_steps + spark.stats.redos == decode_steps
     hybrid, _ = spark_engine(qwen35moe_gguf, econf, scfg, quiet=True)
-    assert hybrid.runner.guard is None, "a replay moves a hybrid's recurrent state on: it could not be redone"
+    assert hybrid.runner.guard is not None, "a hybrid's states are put back before a step runs again"
 
 
 def test_cpu_rule_computes_small_cold_experts_on_the_cpu_until_they_recur() -> None:
@@ -384,12 +385,29 @@ def test_props_and_metrics_show_the_offload(tiny_gguf, monkeypatch) -> None:
     props = ctx.props["spark"]()
     assert props["enabled"] and props["placement"] == "uniform" and props["ring_slots_per_layer"] == 1
     assert props["routed_pairs"] > 0 and 0 < props["cold_hit_rate"] < 1 and props["copies"] > 0
-    assert props["redos"] == props["graph_steps"] == 0, "LUCEBOX_SPARK_GRAPHS is off by default"
+    assert props["redos"] == props["graph_steps"] == 0, "the graph-resident decode is off by default on the CPU"
     text = ctx.metrics.render()
     for name in ("lucebox_spark_cold_hits_total", "lucebox_spark_expert_copies_total",
                  "lucebox_spark_cpu_expert_seconds_total", "lucebox_spark_cold_hit_rate",
                  "lucebox_spark_copies_per_second", "lucebox_spark_redos_total", "lucebox_spark_refetches_total"):
         assert f"\n{name} " in text, name
+
+
+def test_bench_spark_on_a_random_hybrid_shape(tiny_gguf, tmp_path) -> None:
+    """--shape tiny-qwen3.5-moe: a random qwen35moe hybrid written with --model's tokenizer, its graph-resident
+    rows (the recurrent states put back before a rerun) agreeing with all-device."""
+    out = tmp_path / "bench.json"
+    conv = tmp_path / "conv.jsonl"
+    conv.write_text("\n".join(json.dumps({"prompt": f"Tell me about topic {i}."}) for i in range(4)) + "\n")
+    assert cli_main(["bench", "spark", "--model", str(tiny_gguf("qwen3moe", "F32")), "--shape", "tiny-qwen3.5-moe",
+                     "--mix", "F16", "--device", "cpu", "--dtype", "float32", "--budgets", "50%", "--ring", "1",
+                     "--prompts", "2", "--gen-len", "6", "--prompt-len", "40", "--router-skew", "zipf:1.5",
+                     "--conversation", str(conv), "--code", str(conv), "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert "qwen35moe" in doc["model"]
+    graphs = [r for r in doc["rows"] if r["config"] == "calibrated+ring+graphs"]
+    assert graphs and all(r["graph_steps"] + r["redos"] > 0 for r in graphs), graphs
+    assert all(r["token_agreement"] == 1.0 for r in doc["rows"][1:] if r.get("token_agreement") is not None)
 
 
 def test_bench_spark_runs_every_configuration(tiny_gguf, tmp_path, capsys) -> None:
@@ -502,14 +520,15 @@ def test_offloaded_engine_on_the_kernel_path_gives_the_all_device_tokens(tiny_gg
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
-@pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
-def test_graph_resident_decode_gives_the_eager_tokens_on_cuda(tiny_gguf, monkeypatch, qtype) -> None:
-    """LUCEBOX_SPARK_GRAPHS=1: decode steps replayed from CUDA graphs over the resident experts give the eager
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0", "qwen35moe"])
+def test_graph_resident_decode_gives_the_eager_tokens_on_cuda(tiny_gguf, qwen35moe_gguf, monkeypatch, qtype) -> None:
+    """On CUDA by default: decode steps replayed from CUDA graphs over the resident experts give the eager
     Spark engine's greedy tokens (fp32); a step that routed to a cold expert is replayed after copying it in,
-    or run again eagerly without a ring (counted)."""
+    or run again eagerly without a ring (counted). qwen35moe: a hybrid, its recurrent states put back before a
+    step runs again."""
     from lucebox.engine.spark.engine import spark_engine
 
-    path = tiny_gguf("qwen3moe", qtype)
+    path = qwen35moe_gguf if qtype == "qwen35moe" else tiny_gguf("qwen3moe", qtype)
     econf = EngineConfig(device="cuda", dtype="float32", kv_tokens=2048, weights="quantized", max_num_seqs=4)
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     for budget, ring in (("100%", 0), ("40%", 2), ("0%", 0)):
@@ -520,7 +539,7 @@ def test_graph_resident_decode_gives_the_eager_tokens_on_cuda(tiny_gguf, monkeyp
         assert eager.runner.graphs is None
         want = eager.generate(PROMPTS, params)
         del eager
-        monkeypatch.setenv("LUCEBOX_SPARK_GRAPHS", "1")
+        monkeypatch.delenv("LUCEBOX_SPARK_GRAPHS")  # the default
         ours, spark = spark_engine(path, econf, scfg, quiet=True)
         runner = ours.runner
         assert runner.graphs is not None and runner.prefill_graphs is None and ours.ahead is None, what

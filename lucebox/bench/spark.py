@@ -8,7 +8,7 @@ as `spark calibrate` does); the next `--prompts` are the evaluation prompts. The
 greedy: all-device (the plain engine, CUDA graphs on), uniform placement, calibrated, calibrated + a ring of
 `--ring` slots per layer (these eagerly), and calibrated + ring with the graph-resident decode (`+graphs`,
 spark/engine.py; CUDA graphs on a GPU, its sync-free step eagerly on the CPU); and at the middle budget,
-calibrated + ring (graph-resident as LUCEBOX_SPARK_GRAPHS says) with each kind's profile on each kind's
+calibrated + ring (graph-resident where spark.engine.graphs_on says: on CUDA) with each kind's profile on each kind's
 prompts (a profile trained on one kind evaluated on the other). Per row: TTFT, decode tok/s (and as a share
 of all-device), the cold-hit rate of the decode steps and of the whole request, the rate the calibration
 counts predicted for the placement (in-sample here: the bench holds nothing out of calibration, its
@@ -19,8 +19,8 @@ host), and the greedy tokens' agreement with all-device (1.0 in fp32; bf16 on a 
 
 Random weights route uniformly: `--router-skew zipf:S` biases the router logits to a Zipf popularity of
 exponent S (lucebox/engine/spark/simulate.py); rows measured under it are labelled SIMULATION (table title,
-JSON `simulation`). `--shape` benchmarks a random-weight qwen3moe of a real model's shape (Q4_K_M blocks,
-tokenizer from --model) instead of --model itself.
+JSON `simulation`). `--shape` benchmarks a random-weight qwen3moe (or a qwen35moe hybrid: qwen3.5-35b-a3b) of a
+real model's shape (Q4_K_M blocks, tokenizer from --model) instead of --model itself.
 """
 
 from __future__ import annotations
@@ -159,12 +159,20 @@ def main(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="lucebox-spark-") as tmp:
         path = resolve_model(args.model)
         if args.shape is not None:
-            if args.shape not in SHAPES:
-                raise LuceboxError(f"unknown --shape {args.shape!r} (choose from {', '.join(SHAPES)})")
+            from lucebox.bench.random_models import HYBRID_SHAPES, write_random_hybrid_gguf
+
+            hybrids = {k: v for k, v in HYBRID_SHAPES.items() if v.n_experts}
+            if args.shape not in SHAPES and args.shape not in hybrids:
+                raise LuceboxError(f"unknown --shape {args.shape!r} (choose from {', '.join([*SHAPES, *hybrids])})")
             if not path.is_file():
                 raise LuceboxError(f"--shape takes the tokenizer of --model, a GGUF file; {path} is not one")
-            path = write_random_moe_gguf(Path(tmp) / "random-moe.gguf", SHAPES[args.shape], path, args.mix,
-                                         context=args.prompt_len + args.gen_len + 256)
+            context = args.prompt_len + args.gen_len + 256
+            if args.shape in hybrids:
+                path = write_random_hybrid_gguf(Path(tmp) / "random-moe.gguf", hybrids[args.shape], path, args.mix,
+                                                context=context)
+            else:
+                path = write_random_moe_gguf(Path(tmp) / "random-moe.gguf", SHAPES[args.shape], path, args.mix,
+                                             context=context)
         return run(args, path, Path(tmp), kinds, budgets, skew, PromptBuilder)
 
 
@@ -236,7 +244,8 @@ def run(args: argparse.Namespace, path: Path, tmp: Path, kinds: dict[str, list[A
 def report(args: argparse.Namespace, path: Path, rows: list[dict[str, Any]], skew: float | None,
            all_device_tok_s: float) -> None:
     sim = f"SIMULATION: router logits biased to zipf:{skew:g} popularity" if skew is not None else None
-    model = f"random {args.shape}-shaped qwen3moe ({args.mix})" if args.shape else str(path)
+    arch = "qwen35moe" if args.shape and "qwen3.5" in args.shape else "qwen3moe"
+    model = f"random {args.shape}-shaped {arch} ({args.mix})" if args.shape else str(path)
     title = f"bench spark: {model}" + (f" [{sim}]" if sim else "") + ", batch 1, greedy"
     cols = ["config", "budget", "ring", "profile", "eval", "ttft ms", "decode tok/s", "% all-dev", "cold-hit dec",
             "cold-hit all", "predicted", "copies/s", "cpu experts", "refetch", "redo", "agree"]

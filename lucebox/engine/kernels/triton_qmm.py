@@ -8,7 +8,8 @@ Paths, by type and the number of activation rows M (qmatmul picks):
   _qmm_words_kernel (the same word loads, each bit plane fed to a bf16 tensor-core dot with all M rows) or,
   _qmm_q4k/q6k/q80_q8x_kernel (int8 tensor-core dots with int8 x). All split
   the columns over `split` programs when that fills the GPU better (fp32 partials, then _splitk_sum_kernel:
-  no atomics).
+  no atomics). The int8 gemvs also run a decode step's routed experts (MOE: one (row, expert) pair a
+  program_id(2), `pair_gemv`, for triton_moe), and take rows of any whole number of blocks.
   Launch configs: GEMV_DEFAULT / SMALL_DEFAULT, or the fastest correct candidate `warm_up` measured for the
   shape (at start-up only).
 - Other types at M = 1: byte-wise gemv (_gemv_kernel; Q4_1 reads words, _gemv_q4_1_kernel).
@@ -355,10 +356,11 @@ def _q6k_cols(sb, s: tl.constexpr):
 
 
 @triton.jit
-def _q80_load(row, blk):
-    """Blocks blk [1, NB, 1] of rows `row` [BN, 1, 1]: the 8 words of int8s [BN, NB, 8] and d [BN, NB, 1]."""
+def _q80_load(row, blk, off=0):
+    """Blocks blk [1, NB, 1] of rows `row` [BN, 1, 1] (int32 pointers; the rows start `off` bytes on, 0 or 2):
+    the 8 words of int8s [BN, NB, 8] and d [BN, NB, 1]."""
     v = tl.arange(0, 8)[None, None, :]
-    st = blk * 34
+    st = off + blk * 34
     q = _vword(row, st + 2, v)  # the int8s start 2 bytes in
     d = _h16w(tl.load(row + (st >> 2)), (st & 2) != 0)
     return q, d
@@ -574,17 +576,41 @@ def _q4k_chunk_scales(s0, s1, s2, ci: tl.constexpr):
 
 
 @triton.jit
-def _gemv_q4k_q8x_kernel(ws_ptr, w_ptr, b_ptr, y_ptr, N, K, n_split, row_words, HAS_BIAS: tl.constexpr,
+def _pair(ws_ptr, y_ptr, ids_ptr, P, N, K, stride_y, w2_off, X_PER_ROW: tl.constexpr, MOE: tl.constexpr):
+    """This program's (workspace row, output row, first weight row, weight byte offset). MOE (the routed experts
+    of a decode step, `pair_gemv`): program_id(2) is pair q of P, or pair q = p - P of the second weight (at
+    w2_off bytes from the first, its type and shape); the pair's expert ids[q] is weight rows ids[q] * N on,
+    its activations workspace row q // X_PER_ROW, its outputs row q of y (row stride stride_y), the second
+    weight's N columns on. Else one problem: rows from 0, nothing moved."""
+    if MOE:
+        p = tl.program_id(2)
+        second = (p >= P).to(tl.int64)
+        q = p - P * second
+        row0 = tl.load(ids_ptr + q).to(tl.int64) * N
+        ws_ptr += (q // X_PER_ROW).to(tl.int64) * (K // 4 + K // 8)
+        y_ptr += q.to(tl.int64) * stride_y + second * N
+        w_off = second * w2_off
+    else:
+        row0 = tl.program_id(0).to(tl.int64) * 0
+        w_off = row0
+    return ws_ptr, y_ptr, row0, w_off
+
+
+@triton.jit
+def _gemv_q4k_q8x_kernel(ws_ptr, w_ptr, b_ptr, y_ptr, N, K, n_split, row_bytes, ids_ptr, P, stride_y, w2_off,
+                         X_PER_ROW: tl.constexpr, MOE: tl.constexpr, HAS_BIAS: tl.constexpr,
                          PARTIAL: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, ASM: tl.constexpr):
     """One row of a Q4_K weight against the int8 workspace: BN rows x NB super-blocks a step, one (row,
     super-block) pair a thread. Per 32-column sub-block, 8 dp4a (2 vectors) summed in registers, times
-    d * scale * dx, less dmin * min * (exact sum of x). Programs and splits as _gemv_words_kernel."""
+    d * scale * dx, less dmin * min * (exact sum of x). Programs and splits as _gemv_words_kernel; MOE:
+    one pair of routed experts a program_id(2) (see _pair)."""
     R: tl.constexpr = BN * NB
     r = tl.arange(0, R)
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     n_mask = rn < N
-    rows = tl.minimum(tl.program_id(0) * BN + r // NB, N - 1).to(tl.int64)
-    row = w_ptr.to(tl.pointer_type(tl.int32)) + rows[:, None] * row_words  # [R, 1]
+    ws_ptr, y_ptr, row0, w_off = _pair(ws_ptr, y_ptr, ids_ptr, P, N, K, stride_y, w2_off, X_PER_ROW, MOE)
+    rows = row0 + tl.minimum(tl.program_id(0) * BN + r // NB, N - 1).to(tl.int64)
+    row = (w_ptr + w_off).to(tl.pointer_type(tl.int32)) + (rows * row_bytes)[:, None] // 4  # [R, 1]: 144-byte blocks
     k = tl.arange(0, 4)[None, :]
     lo = tl.program_id(1) * n_split
     dxp = (ws_ptr + K // 4).to(tl.pointer_type(tl.float32))
@@ -618,19 +644,23 @@ def _gemv_q4k_q8x_kernel(ws_ptr, w_ptr, b_ptr, y_ptr, N, K, n_split, row_words, 
 
 
 @triton.jit
-def _gemv_q6k_q8x_kernel(ws_ptr, w_ptr, b_ptr, y_ptr, N, K, n_split, row_words, HAS_BIAS: tl.constexpr,
+def _gemv_q6k_q8x_kernel(ws_ptr, w_ptr, b_ptr, y_ptr, N, K, n_split, row_bytes, ids_ptr, P, stride_y, w2_off,
+                         X_PER_ROW: tl.constexpr, MOE: tl.constexpr, HAS_BIAS: tl.constexpr,
                          PARTIAL: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, ASM: tl.constexpr):
     """One row of a Q6_K weight against the int8 workspace, one (row, super-block) pair a thread (words
     funnel-shifted: every other 210-byte block starts 2 bytes into a word). Element 128h + 32g + 16a + 4k + b
     of a block is nibble g >> 1 of ql byte 64h + 32(g & 1) + 16a + 4k + b with bits 2g..2g+1 of qh byte
     32h + 16a + 4k + b; per 16 columns 4 dp4a summed in registers, less 32 x the int8 sum, times
-    d * scale * dx. Programs and splits as _gemv_words_kernel."""
+    d * scale * dx. Programs and splits as _gemv_words_kernel; MOE as _gemv_q4k_q8x_kernel. A row may start 2
+    bytes into a word (an odd number of blocks a row): its blocks' offsets `st` carry those 2 bytes."""
     R: tl.constexpr = BN * NB
     r = tl.arange(0, R)
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     n_mask = rn < N
-    rows = tl.minimum(tl.program_id(0) * BN + r // NB, N - 1).to(tl.int64)
-    row = w_ptr.to(tl.pointer_type(tl.int32)) + rows[:, None] * row_words  # [R, 1]
+    ws_ptr, y_ptr, row0, w_off = _pair(ws_ptr, y_ptr, ids_ptr, P, N, K, stride_y, w2_off, X_PER_ROW, MOE)
+    rows = row0 + tl.minimum(tl.program_id(0) * BN + r // NB, N - 1).to(tl.int64)
+    roff = (rows * row_bytes)[:, None]  # [R, 1]
+    row = (w_ptr + w_off).to(tl.pointer_type(tl.int32)) + roff // 4
     k = tl.arange(0, 4)[None, :]
     lo = tl.program_id(1) * n_split
     dxp = (ws_ptr + K // 4).to(tl.pointer_type(tl.float32))
@@ -638,7 +668,7 @@ def _gemv_q6k_q8x_kernel(ws_ptr, w_ptr, b_ptr, y_ptr, N, K, n_split, row_words, 
     acc = tl.zeros((R, 1), dtype=tl.float32)
     for g in range(lo, lo + n_split, NB):
         sb = (g + r % NB)[:, None]  # [R, 1]
-        st = sb * 210
+        st = (roff & 2) + sb * 210
         d = _h16w(tl.load(row + (st >> 2) + 52), (st & 2) != 0)
         scw = _vword(row, st, 48 + k)  # the 16 int8 scales
         for h in tl.static_range(2):
@@ -666,21 +696,25 @@ def _gemv_q6k_q8x_kernel(ws_ptr, w_ptr, b_ptr, y_ptr, N, K, n_split, row_words, 
 
 
 @triton.jit
-def _gemv_q80_q8x_kernel(ws_ptr, w_ptr, b_ptr, y_ptr, N, K, n_split, row_words, HAS_BIAS: tl.constexpr,
+def _gemv_q80_q8x_kernel(ws_ptr, w_ptr, b_ptr, y_ptr, N, K, n_split, row_bytes, ids_ptr, P, stride_y, w2_off,
+                         X_PER_ROW: tl.constexpr, MOE: tl.constexpr, HAS_BIAS: tl.constexpr,
                          PARTIAL: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, ASM: tl.constexpr):
-    """One row of a Q8_0 weight against the int8 workspace: 8 dp4a a 32-column block, times d * dx."""
+    """One row of a Q8_0 weight against the int8 workspace: 8 dp4a a 32-column block, times d * dx. MOE and
+    rows starting 2 bytes into a word as _gemv_q6k_q8x_kernel."""
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     lo = tl.program_id(1) * n_split
     n_mask = rn < N
-    rows = tl.minimum(rn, N - 1).to(tl.int64)
-    row = w_ptr.to(tl.pointer_type(tl.int32)) + rows[:, None, None] * row_words
+    ws_ptr, y_ptr, row0, w_off = _pair(ws_ptr, y_ptr, ids_ptr, P, N, K, stride_y, w2_off, X_PER_ROW, MOE)
+    rows = row0 + tl.minimum(rn, N - 1).to(tl.int64)
+    roff = (rows * row_bytes)[:, None, None]
+    row = (w_ptr + w_off).to(tl.pointer_type(tl.int32)) + roff // 4
     zero = (rn * 0)[:, None, None]  # x loads take the weights' shape: no layout conversions
     v = tl.arange(0, 8)[None, None, :]
     dxp = (ws_ptr + K // 4).to(tl.pointer_type(tl.float32))
     acc = tl.zeros((BN, NB, 1), dtype=tl.float32)
     for g in range(lo, lo + n_split, NB):
         blk = g + tl.arange(0, NB)[None, :, None]
-        q, d = _q80_load(row, blk)
+        q, d = _q80_load(row, blk, roff & 2)
         dot = tl.sum(_dp4a(q, tl.load(ws_ptr + zero + blk * 8 + v), ASM), axis=2, keep_dims=True)
         acc += (d * tl.load(dxp + zero + blk)) * _ifloat(dot)
     y = tl.sum(tl.sum(acc, axis=2), axis=1)
@@ -957,8 +991,8 @@ def _launch_words(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None, ou
     if m == 1 and variant == ["q8x"]:
         kernel = {"Q4_K": _gemv_q4k_q8x_kernel, "Q6_K": _gemv_q6k_q8x_kernel, "Q8_0": _gemv_q80_q8x_kernel}[w.qtype]
         del common["QTYPE"]
-        kernel[(triton.cdiv(n, bn), split)](quantize_x(x), w.data, b, y, n, k, n_blk // split, w.data.shape[1] // 4,
-                                            ASM=x.is_cuda, **common)
+        kernel[(triton.cdiv(n, bn), split)](quantize_x(x), w.data, b, y, n, k, n_blk // split, w.data.shape[1], x, 1,
+                                            0, 0, X_PER_ROW=1, MOE=False, ASM=x.is_cuda, **common)
     elif m == 1:
         _gemv_words_kernel[(triton.cdiv(n, bn), split)](x, w.data, b, y, n, n_blk // split, w.data.shape[1] // 4,
                                                         XBF16=X_PAIRS and x.dtype == torch.bfloat16, **common)
@@ -974,6 +1008,40 @@ def _launch_words(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None, ou
     if split > 1:
         _splitk_sum_kernel[(m, triton.cdiv(n, 1024))](y, b, out, m, n, out.stride(0), SPLIT=split,
                                                       HAS_BIAS=bias is not None, BLOCK=1024, num_warps=4)
+
+
+# The routed experts' per-pair gemvs (pair_gemv): (BN, NB, num_warps) by type. The K-quants' is the fastest of 25
+# configs on the H200 over Qwen3-30B-A3B's experts (gate and up 768 x 2048 Q4_K, down 2048 x 768 Q4_K or Q6_K; 1, 2
+# and 4 rows, CUDA graphs: 18.3 us for a row's 8 experts, 1.16 TB/s; 46.8 us for 4 rows, 1.64 TB/s). Q8_0's is the
+# dense gemv's default, not measured for experts.
+PAIR_CONFIG = {"Q4_K": (16, 8, 1), "Q6_K": (16, 8, 1), "Q8_0": (8, 2, 4)}
+
+
+def pair_ok(w: object) -> bool:
+    """Whether `pair_gemv` takes this stacked expert weight (Q4_K, Q6_K or Q8_0 blocks, any row length)."""
+    return (isinstance(w, QuantWeight) and w.qtype in WORD_TYPES and w.data.is_contiguous()
+            and w.data.data_ptr() % 4 == 0 and w.data.device.type in ("cuda", "cpu"))
+
+
+def pair_gemv(ws: torch.Tensor, w: QuantWeight, ids: torch.Tensor, rows: int, out: torch.Tensor, x_per_row: int,
+              second: QuantWeight | None = None) -> None:
+    """out[q, :rows] = x[q // x_per_row] @ W_{ids[q]}.T for every pair q of `ids` (flat), W_e being rows
+    e * rows .. (e + 1) * rows of the stacked weight `w` and x given as its int8 workspace `ws` (quantize_x):
+    a decode step's routed experts, one gemv per pair (an expert's weight is read once per pair that routes to
+    it, the least a step of one row can read). With `second` (w's type and shape, e.g. up beside gate),
+    out[q, rows:2 * rows] likewise from it, in the same launch."""
+    qid, block = WORD_TYPES[w.qtype]
+    pairs, k = ids.numel(), w.cols
+    n_blk = k // block
+    bn, nb, warps = PAIR_CONFIG[w.qtype]
+    w2_off = 0 if second is None else second.data.data_ptr() - w.data.data_ptr()
+    if w2_off % 4:
+        raise ValueError("the second weight must start a whole number of words from the first")
+    kernel = {"Q4_K": _gemv_q4k_q8x_kernel, "Q6_K": _gemv_q6k_q8x_kernel, "Q8_0": _gemv_q80_q8x_kernel}[w.qtype]
+    kernel[(triton.cdiv(rows, bn), 1, pairs * (1 if second is None else 2))](
+        ws, w.data, out, out, rows, k, n_blk, w.data.shape[1], ids, pairs, out.stride(0), w2_off,
+        X_PER_ROW=x_per_row, MOE=True, HAS_BIAS=False, PARTIAL=False, BN=bn,
+        NB=_blocks_per_step(w.qtype, n_blk, nb), ASM=ws.is_cuda, num_warps=warps)
 
 
 def random_weight(qtype: str, n: int, k: int, device: torch.device | str, dtype: torch.dtype) -> QuantWeight:
@@ -1097,6 +1165,8 @@ def qmatmul(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
         x = x.contiguous()
     if out is None:
         out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    if m == 0:  # a step with no logit rows: the int8 kernels would read row M - 1 = -1 (an illegal access)
+        return out
     if m < PREFILL_ROWS or x.device.type != "cuda" or (m <= SMALL_BM and _word_ok(x, w, out)):
         _launch_fused(x, w, bias, out)
         return out

@@ -216,9 +216,24 @@ class ModelRunner:
         decodes = [c for c in chunks if is_decode(c)]
         decode_only = bool(decodes) and len(decodes) == len(chunks)
         if decode_only and self.guard is not None:  # Spark: None means run it again eagerly (below)
-            out = self.guard(lambda: self._decode(decodes))
+            # a hybrid's recurrent states move on in place: each run of the step after the first, and the eager
+            # one below, starts from the states as they were before it
+            restore = (self.kv.states.snapshot([c.seq.state_slot for c in decodes])
+                       if self.kv.states is not None else None)
+            runs = 0
+
+            def step() -> tuple[torch.Tensor, torch.Tensor | None] | None:
+                nonlocal runs
+                if runs and restore is not None:
+                    restore()
+                runs += 1
+                return self._decode(decodes)
+
+            out = self.guard(step)
             if out is not None:
                 return decodes, out[0], out[1]
+            if runs and restore is not None:
+                restore()
         elif self.graphs is not None:
             if decode_only:
                 out = self.graphs.run(decodes)

@@ -135,6 +135,17 @@ class RecurrentStates:
         """Views of one slot's conv and ssm states over every linear layer."""
         return self.conv[:, slot], self.ssm[:, slot]
 
+    def snapshot(self, slots: list[int]) -> Callable[[], None]:
+        """Copies of `slots`' states as they are now, and the function that writes them back: a step that may be
+        run again (Spark's guarded decode, replayed or redone after a miss) must not advance them twice."""
+        index = torch.tensor(slots, device=self.conv.device)
+        conv, ssm = self.conv[:, index], self.ssm[:, index]  # advanced indexing: copies
+
+        def restore() -> None:
+            self.conv[:, index] = conv
+            self.ssm[:, index] = ssm
+        return restore
+
     def write_slot(self, slot: int, conv: torch.Tensor, ssm: torch.Tensor) -> None:
         """Set one slot's states (a prefix-cache restore; from pinned memory the copy is asynchronous)."""
         self.conv[:, slot].copy_(conv, non_blocking=conv.is_pinned())

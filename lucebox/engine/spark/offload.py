@@ -20,7 +20,7 @@ of rows as an expert of the stacked weights. A step:
    the slots as its stacked experts and the routing mapped to slot ids (the CPU's pairs weighted 0 there and
    added after), as the all-device model runs it.
 
-The graph-resident decode (LUCEBOX_SPARK_GRAPHS=1, spark/engine.py): each layer keeps `slot_table`, a device
+The graph-resident decode (on CUDA by default, spark/engine.py): each layer keeps `slot_table`, a device
 tensor [n_experts] of every expert's slot (-1: not resident), updated in place whenever the ring changes, so
 a decode step can run over the resident experts with no host sync (`_resident`: what a CUDA graph captures,
 and what runs eagerly while `optimistic` is set): a routed pair whose expert is not resident is weighted 0
@@ -78,7 +78,7 @@ class SparkStats:
     copy_bytes: int = 0
     cpu_experts: int = 0  # cold experts computed on the CPU
     cpu_seconds: float = 0.0
-    graph_steps: int = 0  # decode steps run over the resident experts and kept (LUCEBOX_SPARK_GRAPHS=1)
+    graph_steps: int = 0  # decode steps run over the resident experts and kept (the graph-resident decode)
     refetches: int = 0  # such steps replayed after copying in the experts they missed (fetch)
     redos: int = 0  # such steps run again eagerly (the ring could not take what they missed)
     started: float = field(default_factory=time.monotonic)
