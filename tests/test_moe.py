@@ -303,7 +303,7 @@ def test_triton_quantized_experts_kernel_matches_the_grouped_path(tiny_gguf, mon
 ])
 def test_one_row_takes_a_gemv_per_pair_within_int8_rounding(tiny_gguf, monkeypatch, qtype, overrides,
                                                              types) -> None:
-    """A decode step of one row runs a gemv per (row, expert) pair on int8 activations (triton_qmm.pair_gemv):
+    """A decode step of a few rows runs a gemv per (row, expert) pair on int8 activations (triton_qmm.pair_gemv):
     gate and up in one launch when of one type, else two; Q6_K down rows of one block (210 bytes) start 2 bytes
     into a word on every other row; a Q5_1 down takes the grouped kernel. Each row of 3 alone equals the same
     experts run one by one through the dense int8-activation gemv (the same rounding), and the exact grouped
@@ -326,11 +326,14 @@ def test_one_row_takes_a_gemv_per_pair_within_int8_rounding(tiny_gguf, monkeypat
         weights, ids = moe.route(x)
         ours = [triton_moe.moe_experts(x[i:i + 1], weights[i:i + 1], ids[i:i + 1], 8,
                                        *(p.quant for p in projections), moe.act) for i in range(3)]
+        together = triton_moe.moe_experts(x, weights, ids, 8, *(p.quant for p in projections), moe.act)
         monkeypatch.setattr(triton_moe, "ENABLED", False)
         ref = moe.experts(x, weights, ids)
     gate, up, down = types.split()
     per_row = ([gate] if gate == up else [gate, up]) + ([down] if down != "Q5_1" else [])
-    assert launches == per_row * 3
+    assert launches == per_row * 4, "3 rows alone, then together: the same launches"
+    if down != "Q5_1":  # a row's result does not depend on the batch (the grouped down sums in another order)
+        assert torch.equal(together, torch.cat(ours))
 
     def gemv(x: torch.Tensor, w: QuantWeight, e: int, rows: int) -> torch.Tensor:
         expert = QuantWeight(w.data[e * rows:(e + 1) * rows], w.qtype, w.cols, w.dtype)
@@ -366,7 +369,8 @@ def test_kernels_give_the_eager_engines_tokens(tiny_gguf, monkeypatch, qtype) ->
         monkeypatch.setattr(triton_moe, "ON_CPU", True)
         monkeypatch.setattr(triton_ops, "ON_CPU", True)
         ours = engine(path, quantized=quantized).generate(prompts, params)
-    else:
+    else:  # the grouped kernel: the per-pair gemvs' int8 activations are checked by their own test
+        monkeypatch.setattr(triton_moe, "PAIR_ROWS", 0)
         loaded = load_model(path, device="cuda", dtype=torch.float32, quiet=True, quantized=quantized)
         ours = LLMEngine(loaded, EngineConfig(device="cuda", dtype="float32", kv_tokens=2048)).generate(prompts, params)
     assert ours == eager

@@ -49,9 +49,9 @@ MAX_ROWS = 64
 BM = 16  # pairs per tile (tl.dot's smallest M)
 # Steps of at most this many rows whose gate and up are Q4_K / Q6_K / Q8_0 blocks take one int8-activation gemv
 # per (row, expert) pair (`_by_pair`) instead of the grouped kernel. The gemv reads an expert once per pair that
-# routes to it (the grouped kernel once per step), but near the bandwidth limit: 7x the grouped kernel at 1, 2
-# and 4 rows on the H200 (see _by_pair).
-PAIR_ROWS = 4
+# routes to it (the grouped kernel once per step), but near the bandwidth limit: 7.0-8.3x the grouped kernel at
+# 1 to 16 rows on the H200 (`bench moe`, Qwen3-30B-A3B's layer). Above 16 rows: not measured, the grouped kernel.
+PAIR_ROWS = 16
 
 
 def use_kernel(x: torch.Tensor) -> bool:
@@ -243,7 +243,7 @@ def _by_pair(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, n_expert
              up: QuantWeight, down: Weight, act: str) -> torch.Tensor:
     """`moe_experts` for a step of a few rows: x quantized to int8 once, gate and up (one launch when of one
     type) and then down as one gemv per (row, expert) pair (triton_qmm.pair_gemv), the k outputs of a row
-    weighted and summed by one batched matmul. A down the gemv cannot take (dense, or another type) runs on the
+    weighted and summed in fp32. A down the gemv cannot take (dense, or another type) runs on the
     grouped kernel. A row's result does not depend on the rest of the batch. `bench moe` on the H200 (a random
     Qwen3-30B-A3B-shaped layer, 128 experts, top-8, Q4_K gate and up, Q4_K / Q6_K down; CUDA graphs): 1 row
     18.3 / 20.1 us against the grouped kernel's 129 / 156 us (1.16 TB/s against 0.16), 4 rows 46.7 / 55.3 us
@@ -267,7 +267,7 @@ def _by_pair(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, n_expert
     y = torch.empty(pairs, hidden, device=x.device, dtype=x.dtype)  # by pair
     if pair_ok(down):
         pair_gemv(quantize_x(h), down, flat, hidden, y, 1)
-        return torch.bmm(weights.view(t, 1, top_k).to(y.dtype), y.view(t, top_k, hidden)).view(t, hidden)
+        return (y.view(t, top_k, hidden).float() * weights.reshape(t, top_k, 1).float()).sum(dim=1).to(x.dtype)
     order, starts = _align(ids, n_experts)
     _grouped(h, order, starts, down, hidden, y, x_per_row=1, gather_x=True, weights=weights.contiguous())
     return y.view(t, top_k, hidden).sum(dim=1)
