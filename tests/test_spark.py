@@ -432,6 +432,7 @@ def test_bench_spark_runs_every_configuration(tiny_gguf, tmp_path, capsys) -> No
     assert ("calibrated+ring", "50%", "code", "conversation") in configs
     graphs = [r for r in doc["rows"] if r["config"] == "calibrated+ring+graphs"]
     assert len(graphs) == 2 and all(r["graph_steps"] + r["redos"] > 0 for r in graphs), graphs
+    assert all(r["peak_gib"] is None and r["kv_tokens_fit"] is None for r in doc["rows"]), "CUDA only"
     for r in doc["rows"][1:]:
         assert 0 <= r["cold_hit_rate"] <= 1 and r["decode_tok_s"] > 0
         if r["eval"] == "conversation":

@@ -15,7 +15,8 @@ counts predicted for the placement (in-sample here: the bench holds nothing out 
 evaluation prompts are the held-out ones), copies per second, CPU-computed experts, the share of a `+graphs`
 row's decode steps replayed after copying in the cold experts they routed to (`refetch`) or run again eagerly
 (`redo`; its decode cold-hit rate counts those eager steps only, the replays' routing never reaching the
-host), and the greedy tokens' agreement with all-device (1.0 in fp32; bf16 on a GPU may flip near ties).
+host), the greedy tokens' agreement with all-device (1.0 in fp32; bf16 on a GPU may flip near ties), and on
+CUDA the device memory the row held at its peak and the KV context the --gpu-memory cap leaves (kv_room).
 
 Random weights route uniformly: `--router-skew zipf:S` biases the router logits to a Zipf popularity of
 exponent S (lucebox/engine/spark/simulate.py); rows measured under it are labelled SIMULATION (table title,
@@ -87,9 +88,31 @@ def traffic_prompts(files: list[Path], n: int) -> list[list[dict[str, str]]]:
     return out[:n]
 
 
-def measure(engine: LLMEngine, spark: Any, prompts: list[list[int]], gen_len: int) -> dict[str, Any]:
-    """Each prompt alone, greedy: TTFT, decode tok/s, and the offload's counters over decode and overall."""
+def kv_room(engine: LLMEngine, gpu_memory: float | None) -> dict[str, Any]:
+    """The device memory a row held at its peak (CUDA: weights, expert slots, KV pool, activations, graphs) and
+    the KV context the --gpu-memory cap leaves for one sequence beside it: the tokens of its KV pool plus what
+    the rest of the cap holds at the model's bytes per token. None where there is no CUDA cap."""
+    from lucebox.engine.runtime import memory_plan
+    from lucebox.engine.runtime.kv_cache import KVCache
+
+    if engine.device.type != "cuda":
+        return {"peak_gib": None, "kv_tokens_fit": None}
+    peak = torch.cuda.max_memory_allocated(engine.device)
+    if gpu_memory is None:
+        return {"peak_gib": peak / memory_plan.GB, "kv_tokens_fit": None}
+    per_token = KVCache.bytes_per_token(engine.model_config, engine.loaded.dtype, engine.kv_dtype)
+    pool = engine.kv.pool.num_blocks * engine.kv.block_size
+    room = max(int(gpu_memory * memory_plan.GB) - peak, 0)
+    return {"peak_gib": peak / memory_plan.GB, "kv_tokens_fit": pool + room // per_token}
+
+
+def measure(engine: LLMEngine, spark: Any, prompts: list[list[int]], gen_len: int,
+            gpu_memory: float | None = None) -> dict[str, Any]:
+    """Each prompt alone, greedy: TTFT, decode tok/s, the offload's counters over decode and overall, and the
+    device memory held (kv_room)."""
     params = SamplingParams(max_tokens=gen_len, ignore_eos=True)
+    if engine.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(engine.device)
     engine.generate([prompts[0]], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
     if spark is not None:
         spark.stats.reset()
@@ -115,7 +138,7 @@ def measure(engine: LLMEngine, spark: Any, prompts: list[list[int]], gen_len: in
         outputs.append(out)
     wall = time.perf_counter() - start
     row: dict[str, Any] = {"ttft_ms": 1000 * float(np.mean(ttfts)), "decode_tok_s": decode_tokens / max(decode_s, 1e-9),
-                           "decode_tokens": decode_tokens, "outputs": outputs}
+                           "decode_tokens": decode_tokens, "outputs": outputs, **kv_room(engine, gpu_memory)}
     if spark is not None:
         s = spark.stats
         row.update(decode_cold_hit_rate=dec["cold"] / dec["routed"] if dec["routed"] else 0.0,
@@ -207,7 +230,7 @@ def run(args: argparse.Namespace, path: Path, tmp: Path, kinds: dict[str, list[A
     counter.detach()
     conv_eval = split["conversation"][1]
     rows: list[dict[str, Any]] = []
-    ref = measure(base, None, conv_eval, args.gen_len)
+    ref = measure(base, None, conv_eval, args.gen_len, args.gpu_memory)
     rows.append({"config": "all-device", "budget": "100%", "ring": 0, "profile": None, "eval": "conversation", **ref})
     del base, counter
     _free()
@@ -220,7 +243,7 @@ def run(args: argparse.Namespace, path: Path, tmp: Path, kinds: dict[str, list[A
         engine, spark = spark_engine(path, econf, scfg, quiet=True)
         if skew is not None:
             apply_router_skew(engine.loaded.model, skew, engine.loaded.dtype)
-        row = measure(engine, spark, split[kind][1], args.gen_len)
+        row = measure(engine, spark, split[kind][1], args.gen_len, args.gpu_memory)
         row.update(config=config + ("+graphs" if engine.runner.guard is not None else ""), budget=str(budget),
                    ring=spark.info["ring_slots_per_layer"], profile=profile, eval=kind)
         if kind == "conversation":
@@ -248,14 +271,15 @@ def report(args: argparse.Namespace, path: Path, rows: list[dict[str, Any]], ske
     model = f"random {args.shape}-shaped {arch} ({args.mix})" if args.shape else str(path)
     title = f"bench spark: {model}" + (f" [{sim}]" if sim else "") + ", batch 1, greedy"
     cols = ["config", "budget", "ring", "profile", "eval", "ttft ms", "decode tok/s", "% all-dev", "cold-hit dec",
-            "cold-hit all", "predicted", "copies/s", "cpu experts", "refetch", "redo", "agree"]
+            "cold-hit all", "predicted", "copies/s", "cpu experts", "refetch", "redo", "agree", "peak GiB", "KV fits"]
     table = []
     for r in rows:
         pct = 100 * r["decode_tok_s"] / all_device_tok_s if all_device_tok_s else None
         table.append([r["config"], r["budget"], r["ring"], r["profile"], r["eval"], r["ttft_ms"], r["decode_tok_s"],
                       pct, _pct(r.get("decode_cold_hit_rate")), _pct(r.get("cold_hit_rate")),
                       _pct(r.get("predicted_cold_hit_rate")), r.get("copies_per_s"), r.get("cpu_experts"),
-                      _pct(_share(r, "refetches")), _pct(_share(r, "redos")), _pct(r.get("token_agreement"))])
+                      _pct(_share(r, "refetches")), _pct(_share(r, "redos")), _pct(r.get("token_agreement")),
+                      r.get("peak_gib"), r.get("kv_tokens_fit")])
     print_table(title, cols, table)
     device = EngineConfig(device=args.device).resolve_device()
     write_json(args.json, {"benchmark": "spark", "simulation": sim, "model": model, "shape": args.shape,

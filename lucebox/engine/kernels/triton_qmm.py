@@ -1020,7 +1020,7 @@ PAIR_CONFIG = {"Q4_K": (16, 8, 1), "Q6_K": (16, 8, 1), "Q8_0": (8, 2, 4)}
 def pair_ok(w: object) -> bool:
     """Whether `pair_gemv` takes this stacked expert weight (Q4_K, Q6_K or Q8_0 blocks, any row length)."""
     return (isinstance(w, QuantWeight) and w.qtype in WORD_TYPES and w.data.is_contiguous()
-            and w.data.data_ptr() % 4 == 0 and w.data.device.type in ("cuda", "cpu"))
+            and w.data.data_ptr() % 4 == 0)
 
 
 def pair_gemv(ws: torch.Tensor, w: QuantWeight, ids: torch.Tensor, rows: int, out: torch.Tensor, x_per_row: int,
