@@ -487,3 +487,16 @@ def test_bench_moe_times_both_paths_in_one_run(monkeypatch, tmp_path, capsys) ->
     for r in results:
         assert r["speedup"] == 7.0 and r["grouped_us"] == 7000.0 and 0 < r["routed_experts"] <= 2 * r["rows"]
         assert r["relative_difference"] < 3e-2
+
+
+def test_pair_rows_switch_reads_the_environment() -> None:
+    """LUCEBOX_MOE_PAIR_ROWS=0 keeps every step on the grouped kernel (what the README's end-to-end comparison
+    runs); a value that is not a whole number keeps the default, 16."""
+    import subprocess
+    import sys
+
+    code = "from lucebox.engine.kernels import triton_moe; print(triton_moe.PAIR_ROWS)"
+    for value, want in (("0", "0"), ("4", "4"), ("lots", "16"), ("-3", "16")):
+        env = {**os.environ, "LUCEBOX_MOE_PAIR_ROWS": value}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == want, (value, out.stderr[-500:])

@@ -51,7 +51,9 @@ BM = 16  # pairs per tile (tl.dot's smallest M)
 # per (row, expert) pair (`_by_pair`) instead of the grouped kernel. The gemv reads an expert once per pair that
 # routes to it (the grouped kernel once per step), but near the bandwidth limit: 7.0-8.3x the grouped kernel at
 # 1 to 16 rows on the H200 (`bench moe`, Qwen3-30B-A3B's layer). Above 16 rows: not measured, the grouped kernel.
-PAIR_ROWS = 16
+# LUCEBOX_MOE_PAIR_ROWS=N sets it (0: the grouped kernel only; a debugging and benchmarking switch).
+_pair_env = os.environ.get("LUCEBOX_MOE_PAIR_ROWS", "16")
+PAIR_ROWS = int(_pair_env) if _pair_env.isdigit() else 16
 
 
 def use_kernel(x: torch.Tensor) -> bool:
