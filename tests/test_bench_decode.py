@@ -78,3 +78,26 @@ def test_bench_decode_cli_runs_the_peer_on_the_same_file(tmp_path: Path, tiny_q8
     by_kind = {r["kind"]: r for r in report["results"]}
     assert by_kind["prefill"]["llama_cpp_tok_s"] == 9143.5
     assert by_kind["decode"]["llama_cpp_tok_s"] == 272.25
+
+
+def test_weight_bytes_count_the_experts_a_step_reads(tiny_gguf) -> None:
+    """A MoE layer's routed experts count as the share of them a decode step of that batch reads (uniform
+    routing: 1 - (1 - k/E)^batch), everything else whole; a dense model counts the same at every batch."""
+    import torch
+
+    from lucebox.bench.decode import weight_bytes
+    from lucebox.engine.weights.loader import load_model
+
+    model = load_model(tiny_gguf("qwen3moe", "F32"), device="cpu", dtype=torch.float32, quiet=True).model
+    moes = [b.moe for b in model.blk if getattr(b, "moe", None) is not None]
+    assert moes
+    experts = sum(p.numel() * 4 for m in moes for name in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+                  for p in getattr(m, name).parameters(recurse=False))
+    whole = sum(p.numel() * 4 for p in model.parameters()) - model.token_embd.weight.numel() * 4 * (
+        not model.cfg.tie_word_embeddings)
+    k, e = moes[0].top_k, moes[0].n_experts
+    for batch in (1, 4):
+        share = 1 - (1 - k / e) ** batch
+        assert abs(weight_bytes(model, batch) - (whole - experts * (1 - share))) <= 8
+    dense = load_model(tiny_gguf("llama", "F32"), device="cpu", dtype=torch.float32, quiet=True).model
+    assert weight_bytes(dense, 1) == weight_bytes(dense, 16)

@@ -58,5 +58,11 @@ def test_kernel_matches_reference(hq, hkv, dim, window):
 
 def test_split_len_covers_the_context():
     for max_ctx in (16, 256, 300, 1024, 8192, 131072):
-        per, n = triton_attention.split_len(max_ctx)
-        assert per * n >= max_ctx and n & (n - 1) == 0
+        for programs in (1, 4, 32, 512):
+            per, n = triton_attention.split_len(max_ctx, programs=programs)
+            assert per * n >= max_ctx and n & (n - 1) == 0 and n <= 64
+            assert n == 1 or (per >= 64 and programs * n // 2 < 256)  # no split shorter than 64 tokens
+    # batch 1, 4 KV heads, the 512-token bucket: 8 splits of 64 tokens (32 programs); a batch that fills the
+    # GPU alone is not split
+    assert triton_attention.split_len(512, programs=4) == (64, 8)
+    assert triton_attention.split_len(32768, programs=256) == (32768, 1)

@@ -125,19 +125,28 @@ def load_hf(path: Any, engine: LLMEngine) -> Any:
     return model.to(engine.device).eval()
 
 
-def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of weights one decode step streams: every linear (blocks as stored or dense), the LM head (the
-    tied embedding counts once, as the head), norms; the embedding itself only gives a few rows."""
-    total = 0
+def weight_bytes(model: torch.nn.Module, batch: int = 1) -> int:
+    """Bytes of weights one decode step of `batch` rows streams: every linear (blocks as stored or dense), the
+    LM head (the tied embedding counts once, as the head), norms; the embedding itself only gives a few rows.
+    A MoE layer's routed experts count as the share a step reads under uniform routing: the expected number
+    of distinct experts among batch x top-k picks, 1 - (1 - k/E)^batch of them (8 of 128 at batch 1)."""
+    routed: dict[int, float] = {}  # id of an expert stack's Linear -> its share
+    for block in getattr(model, "blk", []):
+        moe = getattr(block, "moe", None)
+        if moe is not None:
+            share = 1 - (1 - moe.top_k / moe.n_experts) ** batch
+            routed.update({id(p): share for p in (moe.ffn_gate_exps, moe.ffn_up_exps, moe.ffn_down_exps)})
+    total = 0.0
     tied = model.cfg.tie_word_embeddings  # type: ignore[union-attr]
     for name, m in model.named_modules():
         if name == "token_embd" and not tied:
             continue
         if getattr(m, "qtype", None) is not None:
-            total += m.qdata.numel()
+            n = m.qdata.numel()
         else:
-            total += sum(p.numel() * p.element_size() for p in m.parameters(recurse=False))
-    return total
+            n = sum(p.numel() * p.element_size() for p in m.parameters(recurse=False))
+        total += n * routed.get(id(m), 1.0)
+    return int(total)
 
 
 def copy_bandwidth(device: torch.device, n_bytes: int = 1 << 30) -> float | None:
@@ -184,8 +193,8 @@ def peer_bench(tool: Path, model_file: Path, timeout: float = 1800) -> dict[str,
 def _decode_cases(engine: LLMEngine, label: str, batch_sizes: list[int], gen: int, hf: Any, copy_bw: float | None,
                   rows: list[list[Any]], results: list[dict[str, Any]], progress: Progress) -> None:
     device = engine.device
-    w_bytes = weight_bytes(engine.loaded.model)
     for b in batch_sizes:
+        w_bytes = weight_bytes(engine.loaded.model, b)
         prompts = [_prompt(engine, 32, seed=1000 + i) for i in range(b)]
         ours = b * (gen - 1) / statistics.median(lucebox_decode(engine, prompts, gen) for _ in range(REPEATS))
         theirs = None
