@@ -190,7 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      "int8 gemvs, by decode rows (CUDA)")
     b.add_argument("--shape", default="qwen3-30b-a3b", help="an MoE --shape of bench spark (default qwen3-30b-a3b)")
     b.add_argument("--down", default="Q4_K,Q6_K", help="comma-separated down-projection types (Q4_K, Q6_K, Q8_0)")
-    b.add_argument("--rows", default="1,2,4,8,16", help="decode rows (1..64)")
+    b.add_argument("--rows", default="1,2,4,8,16",
+                   help="activation rows: decode (1..64, both paths) and prefill chunks (up to 8192, grouped only)")
     b.add_argument("--json", type=Path, default=Path("bench_moe.json"), help="where to write the results")
     b.set_defaults(func=_lazy("lucebox.bench.moe", "main"))
 

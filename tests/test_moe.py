@@ -479,15 +479,20 @@ def test_bench_moe_times_both_paths_in_one_run(monkeypatch, tmp_path, capsys) ->
                         lambda fn, **kw: (fn(), 1.0 if triton_moe.PAIR_ROWS else 7.0)[-1])
     before = triton_moe.PAIR_ROWS
     out = tmp_path / "moe.json"
-    assert bench_moe.run(argparse.Namespace(shape="tiny-moe", json=out), SHAPES["tiny-moe"], ["Q6_K"], [1, 2],
+    assert bench_moe.run(argparse.Namespace(shape="tiny-moe", json=out), SHAPES["tiny-moe"], ["Q6_K"], [1, 2, 80],
                          torch.device(KERNEL_DEVICE)) == 0
     assert triton_moe.PAIR_ROWS == before
     assert "pair vs grouped" in capsys.readouterr().out
     results = json.loads(out.read_text())["results"]
-    assert [(r["down"], r["rows"]) for r in results] == [("Q6_K", 1), ("Q6_K", 2)]
-    for r in results:
+    assert [(r["down"], r["rows"]) for r in results] == [("Q6_K", 1), ("Q6_K", 2), ("Q6_K", 80)]
+    for r in results[:2]:
         assert r["speedup"] == 7.0 and r["grouped_us"] == 7000.0 and 0 < r["routed_experts"] <= 2 * r["rows"]
         assert r["relative_difference"] < 3e-2
+    prefill = results[2]  # a prefill chunk: the grouped kernel alone, its TFLOP/s from 6 x rows x k x hidden x ff
+    shape = SHAPES["tiny-moe"]
+    assert prefill["pair_us"] is None and prefill["speedup"] is None and prefill["relative_difference"] is None
+    want = 6 * 80 * shape.top_k * shape.hidden * shape.expert_ff / 7e-3 / 1e12
+    assert abs(prefill["best_tflop_s"] - want) < 1e-9 * want
 
 
 def test_pair_rows_switch_reads_the_environment() -> None:
@@ -496,8 +501,13 @@ def test_pair_rows_switch_reads_the_environment() -> None:
     import subprocess
     import sys
 
-    code = "from lucebox.engine.kernels import triton_moe; print(triton_moe.PAIR_ROWS)"
-    for value, want in (("0", "0"), ("4", "4"), ("lots", "16"), ("-3", "16")):
+    code = "from lucebox.engine.kernels import triton_moe; print(triton_moe.PAIR_ROWS, triton_moe.MAX_ROWS)"
+    for value, want in (("0", "0 64"), ("4", "4 64"), ("lots", "16 64"), ("-3", "16 64")):
         env = {**os.environ, "LUCEBOX_MOE_PAIR_ROWS": value}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == want, (value, out.stderr[-500:])
+    # LUCEBOX_MOE_MAX_ROWS: prefill steps of up to N rows take the grouped kernel (bench decode's comparison)
+    for value, want in (("4096", "16 4096"), ("x", "16 64")):
+        env = {**os.environ, "LUCEBOX_MOE_MAX_ROWS": value}
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
         assert out.stdout.strip() == want, (value, out.stderr[-500:])

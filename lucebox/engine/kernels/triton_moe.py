@@ -44,8 +44,11 @@ ENABLED = os.environ.get("LUCEBOX_MOE_KERNEL", "1") != "0"
 # Tests only: run the kernel on CPU tensors too (requires TRITON_INTERPRET=1, Triton's interpreter).
 ON_CPU = False
 # Steps of at most this many rows (decode batches) take the kernel, and any step a CUDA graph captures;
-# larger ones the eager path.
-MAX_ROWS = 64
+# larger ones the eager path (a host sync for the per-expert counts, then a matmul per routed expert).
+# LUCEBOX_MOE_MAX_ROWS=N sets it: prefill steps of up to N rows then take the grouped kernel too, so
+# `bench decode --prompt-lens` compares the two paths end to end (`bench moe --rows` times the kernel alone).
+_max_env = os.environ.get("LUCEBOX_MOE_MAX_ROWS", "64")
+MAX_ROWS = int(_max_env) if _max_env.isdigit() else 64
 BM = 16  # pairs per tile (tl.dot's smallest M)
 # Steps of at most this many rows whose gate and up are Q4_K / Q6_K / Q8_0 blocks take one int8-activation gemv
 # per (row, expert) pair (`_by_pair`) instead of the grouped kernel. The gemv reads an expert once per pair that
