@@ -75,6 +75,10 @@ def add_spark_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spark-cpu-rows", type=int, default=None, metavar="N",
                    help="compute a cold expert routed to at most N rows of a step on the CPU instead of copying it "
                         "(default: measured at load, see lucebox/engine/spark/offload.py)")
+    p.add_argument("--router-skew", default=None, metavar="zipf:S",
+                   help="SIMULATION for random-weight MoE models (which route uniformly): bias the router logits "
+                        "to a Zipf popularity of exponent S, as `spark calibrate --router-skew` did for the profile "
+                        "(lucebox/engine/spark/simulate.py); changes the model's outputs, /props says so")
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:

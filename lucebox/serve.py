@@ -67,6 +67,7 @@ class ServerConfig:
     expert_gpu_budget: str | None = None  # GB or N% of the expert bytes on the device (alone: uniform placement)
     spark_ring: int | None = None  # ring slots per MoE layer; None: Spark's default
     spark_cpu_rows: int | None = None  # the CPU rule's rows; None: measured at load
+    router_skew: str | None = None  # `zipf:S`: a routing SIMULATION for random-weight MoE models (spark/simulate.py)
     prefix_cache: bool = True
     gpu_prefix_cache: bool = True
     prefix_cache_slots: int = 32
@@ -132,6 +133,7 @@ class ServerConfig:
             expert_gpu_budget=pick("expert_gpu_budget", "LUCEBOX_EXPERT_GPU_BUDGET", str, None),
             spark_ring=pick("spark_ring", "LUCEBOX_SPARK_RING", int, None),
             spark_cpu_rows=pick("spark_cpu_rows", "LUCEBOX_SPARK_CPU_ROWS", int, None),
+            router_skew=pick("router_skew", "LUCEBOX_ROUTER_SKEW", str, None),
             prefix_cache=not getattr(args, "no_prefix_cache", False),
             gpu_prefix_cache=not getattr(args, "no_gpu_prefix_cache", False),
             prefix_cache_slots=pick("prefix_cache_slots", "LUCEBOX_PREFIX_CACHE_SLOTS", int, 32),
@@ -169,6 +171,10 @@ class ServerConfig:
             raise LuceboxError(f"--max-body-mb must be at least 1, got {self.max_body_mb}")
         if not self.grace >= 0:
             raise LuceboxError(f"--shutdown-grace must be a number of seconds >= 0, got {self.grace}")
+        if self.router_skew is not None:
+            from lucebox.engine.spark.simulate import parse_skew
+
+            parse_skew(self.router_skew, self.tensor_parallel)
         spark = self.spark_config()
         if spark is not None:
             spark.validate()
@@ -273,6 +279,16 @@ def load_into(ctx: ServerContext, cfg: ServerConfig) -> Any:
     else:
         engine, spark = LLMEngine.from_path(path, engine_cfg), None
     loaded = engine.loaded
+    if cfg.router_skew is not None:  # before the warm-up captures any graph
+        from lucebox.engine.spark.profile import moe_layers
+        from lucebox.engine.spark.simulate import apply_router_skew, parse_skew
+
+        skew = parse_skew(cfg.router_skew, cfg.tensor_parallel)
+        if skew is not None:
+            moe_layers(loaded.model)  # a dense model: one clear error, not a silent no-op
+            apply_router_skew(loaded.model, skew, loaded.dtype)
+            log.warning("router skew zipf:%g: a SIMULATION of expert popularity; the model's outputs change", skew)
+            ctx.props["router_skew"] = f"zipf:{skew:g} (simulation)"
     names = [loaded.config.name, path.stem, path.stem.split(".")[0], path.name]
     card = resolve_card(cfg, names)
     template_file = cfg.chat_template_file

@@ -372,6 +372,43 @@ def test_hostile_inputs_are_one_line_and_exit_2(tiny_gguf, qwen35moe_gguf, tmp_p
     assert "cannot run with --tensor-parallel" in capsys.readouterr().err.strip().splitlines()[-1]
 
 
+def test_serving_under_the_router_skew_routes_as_its_calibration(tiny_gguf, tmp_path, capsys) -> None:
+    """`serve`/`generate --router-skew zipf:S` give the served model the routers' simulated bias that `spark calibrate
+    --router-skew` measured the profile under (so a random-weight model served with a profile sees the traffic it
+    was placed for): each layer's most routed experts are the simulation's most popular, /props labels the
+    simulation; a bad value, -tp and a dense model are one line and exit 2."""
+    from lucebox.api.common import ServerContext
+    from lucebox.engine.spark.profile import RouteCounter, moe_layers
+    from lucebox.serve import ServerConfig, load_into
+
+    path = tiny_gguf("qwen3moe", "F32")
+    counts = []
+    for skew in (None, "zipf:8"):
+        cfg = ServerConfig(model=str(path), device="cpu", router_skew=skew, warm_up=False, prefix_cache=False,
+                           prefill_compression="off").validate()
+        ctx = ServerContext(model_id="tiny", n_ctx=0)
+        eng = load_into(ctx, cfg)
+        assert ctx.props.get("router_skew") == (skew and "zipf:8 (simulation)")
+        counter = RouteCounter(moe_layers(eng.loaded.model), torch.device("cpu"))
+        counter.attach()
+        eng.generate(PROMPTS[:2], SamplingParams(max_tokens=4, ignore_eos=True))
+        counts.append(counter.counts.clone())
+    # the biased routers send most pairs to each layer's two top-ranked experts
+    from lucebox.engine.spark.simulate import popularity_ranks
+
+    for layer in range(counts[1].shape[0]):
+        top = counts[1][layer].argsort(descending=True)[:2]
+        assert sorted(popularity_ranks(8, layer)[top].tolist()) == [0.0, 1.0], counts[1][layer]
+    assert counts[1].max(dim=1).values.sum() > counts[0].max(dim=1).values.sum()
+    for args, message in ((["--router-skew", "zipf:0"], "must be zipf:S"),
+                          (["--router-skew", "zipf:1", "-tp", "2"], "cannot run with --tensor-parallel")):
+        assert cli_main(["generate", "--model", str(path), "--device", "cpu", "-p", "hi", "-n", "1", *args]) == 2
+        assert message in capsys.readouterr().err.strip().splitlines()[-1]
+    assert cli_main(["generate", "--model", str(tiny_gguf("llama")), "--device", "cpu", "-p", "hi", "-n", "1",
+                     "--router-skew", "zipf:1"]) == 2
+    assert "no MoE layers" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
 def test_props_and_metrics_show_the_offload(tiny_gguf, monkeypatch) -> None:
     from lucebox.api.common import ServerContext
     from lucebox.serve import ServerConfig, load_into
