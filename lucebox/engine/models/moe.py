@@ -12,7 +12,9 @@ order transformers uses. It reads the per-expert counts on the host (one sync pe
 captured in a CUDA graph. On CUDA a step of few rows (decode, and any step a CUDA graph captures) runs
 kernels/triton_moe.py instead: a router kernel, then grouped matmuls over the routed experts, dense or
 quantized, the routing read on the device. `experts_every` (every expert over every row, no host sync) is
-what a capture gets with that kernel switched off (LUCEBOX_MOE_KERNEL=0).
+what a capture gets with that kernel switched off (LUCEBOX_MOE_KERNEL=0). `experts_grouped_mm` is the eager
+path as three grouped GEMMs without the host sync, for prefill steps of dense experts on CUDA
+(LUCEBOX_MOE_GROUPED_MM=1, off until measured).
 
 Parameter names are the GGUF tensor names (`ffn_gate_inp`, `ffn_gate_exps`, `ffn_up_exps`, `ffn_down_exps`,
 `exp_probs_b`, `ffn_gate_inp_shexp`, `ffn_gate_shexp`, `ffn_up_shexp`, `ffn_down_shexp`); a block mounts
@@ -25,6 +27,7 @@ them (device slots, host memory) instead of the stacked weights.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -35,6 +38,11 @@ from lucebox.engine.kernels import triton_moe
 from lucebox.engine.models.config import ModelConfig
 from lucebox.engine.models.layers import Linear, gated_act
 from lucebox.engine.weights.quant import QuantWeight, qlinear
+
+# torch's grouped GEMM (public as F.grouped_mm in recent releases; torch._grouped_mm since 2.8), for
+# `MoE.experts_grouped_mm`; LUCEBOX_MOE_GROUPED_MM=1 sends CUDA prefill steps of dense experts through it.
+_grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+GROUPED_MM = os.environ.get("LUCEBOX_MOE_GROUPED_MM", "0") == "1"
 
 
 class ExpertBias(nn.Module):
@@ -139,6 +147,8 @@ class MoE(nn.Module):
             return triton_moe.moe_experts(x, weights, ids, len(held), *stacked, self.act)
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
             return self.experts_every(x, weights, ids)
+        if GROUPED_MM and x.is_cuda and self.grouped_mm_ok():
+            return self.experts_grouped_mm(x, weights, ids)
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
         rows = order // self.top_k
@@ -155,6 +165,29 @@ class MoE(nn.Module):
             if e in self.held:
                 out.index_add_(0, rows[seg], self.expert(xs[seg], e - self.held.start) * pair_weights[seg])
         return out
+
+    def grouped_mm_ok(self) -> bool:
+        """Whether `experts_grouped_mm` takes this layer: dense expert weights, every expert held here, and a
+        torch with a grouped GEMM."""
+        return (_grouped_mm is not None and len(self.held) == self.n_experts
+                and all(p.qtype is None for p in (self.ffn_gate_exps, self.ffn_up_exps, self.ffn_down_exps)))
+
+    def experts_grouped_mm(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """`experts` as three grouped GEMMs over the pairs sorted by expert (torch's grouped_mm: one launch per
+        projection for every expert, the group offsets computed on the device, so no host sync), then the
+        weighted pairs added back in the same order as the loop. Dense weights only: a prefill-sized step
+        of a bf16 MoE (LUCEBOX_MOE_GROUPED_MM=1; not yet measured against the loop on a GPU)."""
+        e, ff, h = self.n_experts, self.ff, self.hidden
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        rows = order // self.top_k
+        offs = torch.cumsum(torch.bincount(flat, minlength=e), 0).to(torch.int32)
+        xs = x.index_select(0, rows)
+        gate = _grouped_mm(xs, self.ffn_gate_exps.weight.view(e, ff, h).transpose(1, 2), offs=offs)
+        up = _grouped_mm(xs, self.ffn_up_exps.weight.view(e, ff, h).transpose(1, 2), offs=offs)
+        y = _grouped_mm(gated_act(gate, up, self.act), self.ffn_down_exps.weight.view(e, h, ff).transpose(1, 2),
+                        offs=offs)
+        return torch.zeros_like(x).index_add_(0, rows, y * weights.reshape(-1)[order, None])
 
     def experts_every(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """`experts` without a host sync: every expert over every row, weighted by the routing weights
