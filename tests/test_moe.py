@@ -235,8 +235,8 @@ def test_grouped_gemm_path_equals_the_loop(device) -> None:
     moe = MoE(moe_config(hidden_size=64, expert_ff=32), 0)
     randomize(moe, 6)
     moe = moe.to(device=device, dtype=dtype)
-    assert moe.grouped_mm_ok()
     x = torch.randn(37, 64, generator=torch.Generator().manual_seed(9)).to(device=device, dtype=dtype)
+    assert moe.grouped_mm_ok(x) and (device == "cpu" or not moe.grouped_mm_ok(x.float()))
     with torch.no_grad():
         weights, ids = moe.route(x)
         ids[:, 0] = torch.where(ids[:, 0] == 5, 6, ids[:, 0])  # expert 5 gets fewer rows, maybe none
@@ -245,6 +245,27 @@ def test_grouped_gemm_path_equals_the_loop(device) -> None:
             x.float(), weights.float(), ids).to(dtype)
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(ours, ref, rtol=tol, atol=tol * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
+def test_grouped_gemm_path_dequantizes_quantized_experts(tiny_gguf, qtype) -> None:
+    """Experts kept in their GGUF blocks: `experts_grouped_mm` dequantizes each projection whole and gives the
+    loop's result (which runs each routed expert on its blocks); 40 rows, fp32 on the CPU."""
+    from lucebox.engine.models import moe as moe_mod
+
+    if moe_mod._grouped_mm is None:
+        pytest.skip("this torch has no grouped GEMM")
+    overrides = {"expert_ff": 256} if qtype == "Q4_K" else {}
+    loaded = load_model(tiny_gguf("qwen3moe", qtype, **overrides), device="cpu", dtype=torch.float32,
+                        quiet=True, quantized=True)
+    moe = loaded.model.blk[0].moe
+    x = torch.randn(40, moe.hidden, generator=torch.Generator().manual_seed(11))
+    assert moe.ffn_gate_exps.qtype == qtype and moe.grouped_mm_ok(x)
+    with torch.no_grad():
+        weights, ids = moe.route(x)
+        ours = moe.experts_grouped_mm(x, weights, ids)
+        ref = moe.experts(x, weights, ids)
+    torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-5 * ref.abs().max().item())
 
 
 KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -13,8 +13,8 @@ captured in a CUDA graph. On CUDA a step of few rows (decode, and any step a CUD
 kernels/triton_moe.py instead: a router kernel, then grouped matmuls over the routed experts, dense or
 quantized, the routing read on the device. `experts_every` (every expert over every row, no host sync) is
 what a capture gets with that kernel switched off (LUCEBOX_MOE_KERNEL=0). `experts_grouped_mm` is the eager
-path as three grouped GEMMs without the host sync, for prefill steps of dense experts on CUDA
-(LUCEBOX_MOE_GROUPED_MM=1, off until measured).
+path as three grouped GEMMs without the host sync (quantized experts dequantized a projection at a time), for
+prefill steps on CUDA (LUCEBOX_MOE_GROUPED_MM=1, off until measured).
 
 Parameter names are the GGUF tensor names (`ffn_gate_inp`, `ffn_gate_exps`, `ffn_up_exps`, `ffn_down_exps`,
 `exp_probs_b`, `ffn_gate_inp_shexp`, `ffn_gate_shexp`, `ffn_up_shexp`, `ffn_down_shexp`); a block mounts
@@ -40,7 +40,7 @@ from lucebox.engine.models.layers import Linear, gated_act
 from lucebox.engine.weights.quant import QuantWeight, qlinear
 
 # torch's grouped GEMM (public as F.grouped_mm in recent releases; torch._grouped_mm since 2.8), for
-# `MoE.experts_grouped_mm`; LUCEBOX_MOE_GROUPED_MM=1 sends CUDA prefill steps of dense experts through it.
+# `MoE.experts_grouped_mm`; LUCEBOX_MOE_GROUPED_MM=1 sends CUDA prefill steps through it.
 _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 GROUPED_MM = os.environ.get("LUCEBOX_MOE_GROUPED_MM", "0") == "1"
 
@@ -72,6 +72,19 @@ def expert_ffn(x: torch.Tensor, gate: torch.Tensor | QuantWeight, up: torch.Tens
                down: torch.Tensor | QuantWeight, act: str) -> torch.Tensor:
     """One expert's SwiGLU (GeGLU) on rows x from its three [rows, cols] weights, wherever they are held."""
     return matmul(gated_act(matmul(x, gate), matmul(x, up), act), down)
+
+
+def _dense(lin: Linear, dtype: torch.dtype) -> torch.Tensor:
+    """A stacked expert Linear's whole weight, dense in `dtype`: itself, or its blocks dequantized (on CUDA
+    by triton_qmm's dequant kernel)."""
+    if lin.qtype is None:
+        return lin.weight
+    q = lin.quant
+    if q.data.is_cuda:
+        from lucebox.engine.kernels import triton_qmm
+
+        return triton_qmm.dequantize_rows(q, 0, q.data.shape[0], dtype)
+    return q.dequantize(dtype)
 
 
 class MoE(nn.Module):
@@ -147,7 +160,7 @@ class MoE(nn.Module):
             return triton_moe.moe_experts(x, weights, ids, len(held), *stacked, self.act)
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
             return self.experts_every(x, weights, ids)
-        if GROUPED_MM and x.is_cuda and self.grouped_mm_ok():
+        if GROUPED_MM and x.is_cuda and self.grouped_mm_ok(x):
             return self.experts_grouped_mm(x, weights, ids)
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
@@ -166,27 +179,30 @@ class MoE(nn.Module):
                 out.index_add_(0, rows[seg], self.expert(xs[seg], e - self.held.start) * pair_weights[seg])
         return out
 
-    def grouped_mm_ok(self) -> bool:
-        """Whether `experts_grouped_mm` takes this layer: dense expert weights, every expert held here, and a
-        torch with a grouped GEMM."""
+    def grouped_mm_ok(self, x: torch.Tensor) -> bool:
+        """Whether `experts_grouped_mm` takes rows `x` of this layer: every expert held here, a torch with a
+        grouped GEMM, and bf16 on CUDA (torch's kernels take only that; the CPU takes any float)."""
         return (_grouped_mm is not None and len(self.held) == self.n_experts
-                and all(p.qtype is None for p in (self.ffn_gate_exps, self.ffn_up_exps, self.ffn_down_exps)))
+                and (not x.is_cuda or x.dtype == torch.bfloat16))
 
     def experts_grouped_mm(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """`experts` as three grouped GEMMs over the pairs sorted by expert (torch's grouped_mm: one launch per
         projection for every expert, the group offsets computed on the device, so no host sync), then the
-        weighted pairs added back in the same order as the loop. Dense weights only: a prefill-sized step
-        of a bf16 MoE (LUCEBOX_MOE_GROUPED_MM=1; not yet measured against the loop on a GPU)."""
+        weighted pairs added back in the same order as the loop. Quantized experts are dequantized a whole
+        projection at a time (one projection's dense copy is the extra memory: 0.4 GB for Qwen3-30B-A3B in
+        bf16), against the loop's fused kernel per expert on a few dozen rows each. For prefill-sized steps
+        (LUCEBOX_MOE_GROUPED_MM=1; not yet measured against the loop on a GPU)."""
         e, ff, h = self.n_experts, self.ff, self.hidden
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
         rows = order // self.top_k
         offs = torch.cumsum(torch.bincount(flat, minlength=e), 0).to(torch.int32)
         xs = x.index_select(0, rows)
-        gate = _grouped_mm(xs, self.ffn_gate_exps.weight.view(e, ff, h).transpose(1, 2), offs=offs)
-        up = _grouped_mm(xs, self.ffn_up_exps.weight.view(e, ff, h).transpose(1, 2), offs=offs)
-        y = _grouped_mm(gated_act(gate, up, self.act), self.ffn_down_exps.weight.view(e, h, ff).transpose(1, 2),
-                        offs=offs)
+        gate = _grouped_mm(xs, _dense(self.ffn_gate_exps, x.dtype).view(e, ff, h).transpose(1, 2), offs=offs)
+        up = _grouped_mm(xs, _dense(self.ffn_up_exps, x.dtype).view(e, ff, h).transpose(1, 2), offs=offs)
+        act = gated_act(gate, up, self.act)
+        del gate, up
+        y = _grouped_mm(act, _dense(self.ffn_down_exps, x.dtype).view(e, h, ff).transpose(1, 2), offs=offs)
         return torch.zeros_like(x).index_add_(0, rows, y * weights.reshape(-1)[order, None])
 
     def experts_every(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
