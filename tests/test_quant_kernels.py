@@ -395,3 +395,17 @@ def test_bench_qmm_measures_every_matrix_type_and_row_count(monkeypatch, tmp_pat
         assert r["cublas_bf16_us"] == 3000.0
         assert r["float_us"] == 2000.0
         assert r["int8_us"] == (None if r["qtype"] == "Q8_0" and r["rows"] == 2 else 1000.0)
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+def test_quantize_x_with_act_equals_act_mul_then_quantize(act) -> None:
+    """`quantize_x(gate_up, act)` (the MoE down's input in one launch) is `quantize_x(act_mul(gate_up, act))`
+    bit for bit: the same rounding to the activation dtype before the int8 blocks, 3 rows of a 96-wide row."""
+    from lucebox.engine.kernels import triton_ops
+
+    gate_up = (torch.randn(3, 192, generator=torch.Generator().manual_seed(4)) * 3).to(DEVICE, DTYPE)
+    ours = qmm.quantize_x(gate_up, act)
+    ref = qmm.quantize_x(triton_ops.act_mul(gate_up, act).contiguous())
+    assert ours.shape == ref.shape == (3, 96 // 4 + 96 // 8)
+    assert torch.equal(ours, ref)
+    assert not torch.equal(ours, qmm.quantize_x(gate_up[:, :96].contiguous()))  # the act was applied

@@ -282,14 +282,14 @@ def _by_pair(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, n_expert
     else:
         pair_gemv(ws, gate, flat, ff, gate_up, top_k)
         pair_gemv(ws, up, flat, ff, gate_up[:, ff:], top_k)
-    h = triton_ops.act_mul(gate_up, act) if triton_ops.use_kernels(x) else triton_ops.act_mul_ref(gate_up, act)
     y = torch.empty(pairs, hidden, device=x.device, dtype=x.dtype)  # by pair
-    if pair_ok(down):
-        pair_gemv(quantize_x(h), down, flat, hidden, y, 1)
+    if pair_ok(down):  # act(gate) * up quantized for the down gemv in one launch
+        pair_gemv(quantize_x(gate_up, act), down, flat, hidden, y, 1)
         out = torch.empty_like(x)
         bn = min(512, triton.next_power_of_2(hidden))
         _weighted_sum_kernel[(t, triton.cdiv(hidden, bn))](y, weights.contiguous(), out, hidden, TOP_K=top_k, BN=bn)
         return out
+    h = triton_ops.act_mul(gate_up, act) if triton_ops.use_kernels(x) else triton_ops.act_mul_ref(gate_up, act)
     order, starts = _align(ids, n_experts)
     _grouped(h, order, starts, down, hidden, y, x_per_row=1, gather_x=True, weights=weights.contiguous())
     return y.view(t, top_k, hidden).sum(dim=1)

@@ -526,8 +526,9 @@ def _pick(v, k, i: tl.constexpr):
 
 
 @triton.jit
-def _quant_x_kernel(x_ptr, ws_ptr, K, stride_xm, BLOCKS: tl.constexpr):
-    """Row program_id(1) of x [M, K] -> its workspace (row m's at word m * (K/4 + K/8))."""
+def _quant_x_kernel(x_ptr, ws_ptr, K, stride_xm, BLOCKS: tl.constexpr, ACT: tl.constexpr = 0):
+    """Row program_id(1) of x [M, K] -> its workspace (row m's at word m * (K/4 + K/8)). ACT 1 (silu) or 2
+    (gelu_tanh): x is gate_up [M, 2K] and the row quantized is triton_ops.act_mul's, rounded as it rounds."""
     m = tl.program_id(1)
     x_ptr += m.to(tl.int64) * stride_xm
     ws_ptr += m.to(tl.int64) * (K // 4 + K // 8)
@@ -537,6 +538,14 @@ def _quant_x_kernel(x_ptr, ws_ptr, K, stride_xm, BLOCKS: tl.constexpr):
     col = blk * 32 + half * 16 + j
     mask = col < K
     x = tl.load(x_ptr + col, mask=mask, other=0.0).to(tl.float32)
+    if ACT != 0:
+        dt = x_ptr.dtype.element_ty
+        u = tl.load(x_ptr + K + col, mask=mask, other=0.0).to(tl.float32)
+        if ACT == 2:
+            a = x * tl.sigmoid(1.5957691216057308 * (x + 0.044715 * x * x * x))
+        else:
+            a = x * tl.sigmoid(x)
+        x = (a.to(dt).to(tl.float32) * u).to(dt).to(tl.float32)
     amax = tl.max(tl.max(tl.abs(x), axis=2, keep_dims=True), axis=1, keep_dims=True)  # [BLOCKS, 1, 1]
     v = x * tl.where(amax > 0, 127.0 / amax, 0.0)
     q = tl.where(v >= 0, v + 0.5, v - 0.5).to(tl.int32)
@@ -548,11 +557,16 @@ def _quant_x_kernel(x_ptr, ws_ptr, K, stride_xm, BLOCKS: tl.constexpr):
     tl.store(ws_ptr + K // 4 + K // 16 + blk * 2 + half, tl.sum(q, axis=2, keep_dims=True), mask=bmask & (half < 2))
 
 
-def quantize_x(x: torch.Tensor) -> torch.Tensor:
-    """Activation rows [M, K] (K % 32 == 0) as the int8 workspace of the *_q8x kernels, [M, K/4 + K/8] words."""
+def quantize_x(x: torch.Tensor, act: str | None = None) -> torch.Tensor:
+    """Activation rows [M, K] (K % 32 == 0) as the int8 workspace of the *_q8x kernels, [M, K/4 + K/8] words.
+    With `act` ("silu" or "gelu_tanh"), x is gate_up [M, 2K] and the rows are triton_ops.act_mul(x, act)'s,
+    bit for bit, in the same launch (the MoE down's input: one launch and one write of the rows fewer)."""
     m, k = x.shape
+    code = {None: 0, "silu": 1, "gelu_tanh": 2}[act]
+    if code:
+        k //= 2
     ws = torch.empty(m, k // 4 + k // 8, device=x.device, dtype=torch.int32)
-    _quant_x_kernel[(triton.cdiv(k // 32, 8), m)](x, ws, k, x.stride(0), BLOCKS=8, num_warps=2)
+    _quant_x_kernel[(triton.cdiv(k // 32, 8), m)](x, ws, k, x.stride(0), BLOCKS=8, ACT=code, num_warps=2)
     return ws
 
 
