@@ -557,3 +557,27 @@ def test_pair_rows_switch_reads_the_environment() -> None:
         env = {**os.environ, "LUCEBOX_MOE_MAX_ROWS": value}
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
         assert out.stdout.strip() == want, (value, out.stderr[-500:])
+
+
+def test_align_sorts_a_prefill_chunk_of_pairs_by_expert() -> None:
+    """Above ALIGN_PAIRS (a prefill chunk under LUCEBOX_MOE_MAX_ROWS) `_align` sorts with torch: the pairs by
+    expert, stable, and each expert's start, as the kernel gives them for a decode step."""
+    ids = torch.randint(0, 16, (300, 8), generator=torch.Generator().manual_seed(3))
+    ids[:, 1] = torch.where(ids[:, 1] == 7, 8, ids[:, 1])  # some expert counts differ
+    assert ids.numel() > triton_moe.ALIGN_PAIRS
+    order, starts = triton_moe._align(ids, 16)
+    flat = ids.reshape(-1)
+    assert order.dtype == starts.dtype == torch.int32 and starts.shape == (17,)
+    assert torch.equal(order.long(), torch.sort(flat, stable=True).indices)
+    assert torch.equal(starts[1:].long(), torch.cumsum(torch.bincount(flat, minlength=16), 0)) and starts[0] == 0
+
+
+@needs_kernel
+def test_align_kernel_and_sort_agree(monkeypatch) -> None:
+    """The kernel `_align` runs up to ALIGN_PAIRS pairs and the torch sort above it give the same order and
+    starts on one set of 2,400 pairs."""
+    ids = torch.randint(0, 16, (300, 8), generator=torch.Generator().manual_seed(4)).to(KERNEL_DEVICE)
+    by_sort = triton_moe._align(ids, 16)
+    monkeypatch.setattr(triton_moe, "ALIGN_PAIRS", 1 << 20)
+    by_kernel = triton_moe._align(ids, 16)
+    assert torch.equal(by_sort[0], by_kernel[0]) and torch.equal(by_sort[1], by_kernel[1])

@@ -50,6 +50,7 @@ ON_CPU = False
 _max_env = os.environ.get("LUCEBOX_MOE_MAX_ROWS", "64")
 MAX_ROWS = int(_max_env) if _max_env.isdigit() else 64
 BM = 16  # pairs per tile (tl.dot's smallest M)
+ALIGN_PAIRS = 1024  # `_align` sorts at most this many pairs in its kernel, more with torch's sort
 # Steps of at most this many rows whose gate and up are Q4_K / Q6_K / Q8_0 blocks take one int8-activation gemv
 # per (row, expert) pair (`_by_pair`) instead of the grouped kernel. The gemv reads an expert once per pair that
 # routes to it (the grouped kernel once per step), but near the bandwidth limit: 7.0-8.3x the grouped kernel at
@@ -248,6 +249,11 @@ def _grouped(x: torch.Tensor, order: torch.Tensor, starts: torch.Tensor, w: Weig
 def _align(ids: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The pairs of `ids` [T, k] sorted by expert: (order [T * k]: sorted position -> pair, starts [E + 1])."""
     pairs = ids.numel()
+    if pairs > ALIGN_PAIRS:  # a prefill chunk: the kernel's [BQ, pairs] comparison would not fit a program
+        flat = ids.reshape(-1)
+        counts = torch.bincount(flat, minlength=n_experts)
+        starts = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)]).to(torch.int32)
+        return torch.argsort(flat, stable=True).to(torch.int32), starts
     order = torch.empty(pairs, device=ids.device, dtype=torch.int32)
     starts = torch.empty(n_experts + 1, device=ids.device, dtype=torch.int32)
     bq = 64
