@@ -372,23 +372,31 @@ def test_hostile_inputs_are_one_line_and_exit_2(tiny_gguf, qwen35moe_gguf, tmp_p
     assert "cannot run with --tensor-parallel" in capsys.readouterr().err.strip().splitlines()[-1]
 
 
-def test_serving_under_the_router_skew_routes_as_its_calibration(tiny_gguf, tmp_path, capsys) -> None:
+def test_serving_under_the_router_skew_routes_as_its_calibration(tiny_gguf, tmp_path, capsys, caplog) -> None:
     """`serve`/`generate --router-skew zipf:S` give the served model the routers' simulated bias that `spark calibrate
     --router-skew` measured the profile under (so a random-weight model served with a profile sees the traffic it
     was placed for): each layer's most routed experts are the simulation's most popular, /props labels the
-    simulation; a bad value, -tp and a dense model are one line and exit 2."""
+    simulation, the disk KV tier keys on it (no KV of another routing restored), and a profile calibrated under
+    another skew is warned about; a bad value, -tp and a dense model are one line and exit 2."""
     from lucebox.api.common import ServerContext
     from lucebox.engine.spark.profile import RouteCounter, moe_layers
     from lucebox.serve import ServerConfig, load_into
 
     path = tiny_gguf("qwen3moe", "F32")
-    counts = []
+    profile = tmp_path / "unskewed.json"
+    assert calibrate(path, profile, write_traffic(tmp_path)) == 0
+    counts, layouts = [], []
     for skew in (None, "zipf:8"):
-        cfg = ServerConfig(model=str(path), device="cpu", router_skew=skew, warm_up=False, prefix_cache=False,
-                           prefill_compression="off").validate()
+        cfg = ServerConfig(model=str(path), device="cpu", router_skew=skew, warm_up=False,
+                           kv_cache_dir=tmp_path / "kv", prefill_compression="off", spark=profile,
+                           spark_cpu_rows=0).validate()
         ctx = ServerContext(model_id="tiny", n_ctx=0)
-        eng = load_into(ctx, cfg)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="lucebox.serve"):
+            eng = load_into(ctx, cfg)
         assert ctx.props.get("router_skew") == (skew and "zipf:8 (simulation)")
+        assert ("calibrated under router skew none, served under zipf:8" in caplog.text) == (skew is not None)
+        layouts.append(eng.cache.disk.layout_id)
         counter = RouteCounter(moe_layers(eng.loaded.model), torch.device("cpu"))
         counter.attach()
         eng.generate(PROMPTS[:2], SamplingParams(max_tokens=4, ignore_eos=True))
@@ -400,6 +408,7 @@ def test_serving_under_the_router_skew_routes_as_its_calibration(tiny_gguf, tmp_
         top = counts[1][layer].argsort(descending=True)[:2]
         assert sorted(popularity_ranks(8, layer)[top].tolist()) == [0.0, 1.0], counts[1][layer]
     assert counts[1].max(dim=1).values.sum() > counts[0].max(dim=1).values.sum()
+    assert layouts[0] != layouts[1]
     for args, message in ((["--router-skew", "zipf:0"], "must be zipf:S"),
                           (["--router-skew", "zipf:1", "-tp", "2"], "cannot run with --tensor-parallel")):
         assert cli_main(["generate", "--model", str(path), "--device", "cpu", "-p", "hi", "-n", "1", *args]) == 2

@@ -265,14 +265,14 @@ def _align(ids: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tenso
 
 def _by_pair(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, n_experts: int, gate: QuantWeight,
              up: QuantWeight, down: Weight, act: str) -> torch.Tensor:
-    """`moe_experts` for a step of a few rows: x quantized to int8 once, gate and up (one launch when of one
-    type) and then down as one gemv per (row, expert) pair (triton_qmm.pair_gemv), the k outputs of a row
-    weighted and summed in fp32 in one launch (`_weighted_sum_kernel`; four torch ops took ~10 us a layer on the
-    H200). A down the gemv cannot take (dense, or another type) runs on the
-    grouped kernel. A row's result does not depend on the rest of the batch. `bench moe` on the H200 (a random
-    Qwen3-30B-A3B-shaped layer, 128 experts, top-8, Q4_K gate and up, Q4_K / Q6_K down; CUDA graphs): 1 row
-    18.3 / 20.1 us against the grouped kernel's 129 / 156 us (1.16 TB/s against 0.16), 4 rows 46.7 / 55.3 us
-    against 338 / 456 us, 16 rows 125 / 156 us against 879 / 1,100 us."""
+    """`moe_experts` for a step of a few rows: x quantized to int8 once, gate and up (one launch when of one type) and
+    then down as one gemv per (row, expert) pair (triton_qmm.pair_gemv), the k outputs of a row weighted and summed
+    in fp32 in one launch (`_weighted_sum_kernel`; four torch ops took ~10 us a layer on the H200). A down the gemv
+    cannot take (dense, or another type) runs on the grouped kernel. A row's result does not depend on the rest of
+    the batch. `bench moe` on the H200 (a random Qwen3-30B-A3B-shaped layer, 128 experts, top-8, Q4_K gate and up,
+    Q4_K / Q6_K down; CUDA graphs; 2026-12-03, with a bf16 sum, before the fp32 one and the fused launches): 1 row
+    18.3 / 20.1 us against the grouped kernel's 129 / 156 us (1.16 TB/s against 0.16), 4 rows 46.7 / 55.3 us against
+    338 / 456 us, 16 rows 125 / 156 us against 879 / 1,100 us."""
     from lucebox.engine.kernels import triton_ops
 
     t, hidden = x.shape

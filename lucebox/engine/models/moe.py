@@ -187,11 +187,11 @@ class MoE(nn.Module):
 
     def experts_grouped_mm(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """`experts` as three grouped GEMMs over the pairs sorted by expert (torch's grouped_mm: one launch per
-        projection for every expert, the group offsets computed on the device, so no host sync), then the
-        weighted pairs added back in the same order as the loop. Quantized experts are dequantized a whole
-        projection at a time (one projection's dense copy is the extra memory: 0.4 GB for Qwen3-30B-A3B in
-        bf16), against the loop's fused kernel per expert on a few dozen rows each. For prefill-sized steps
-        (LUCEBOX_MOE_GROUPED_MM=1; not yet measured against the loop on a GPU)."""
+        projection for every expert, the group offsets computed on the device, so no host sync), then the weighted
+        pairs added back with one index_add (in the loop's order on the CPU; atomics on CUDA). Quantized experts are
+        dequantized a whole projection at a time (one projection's dense copy is the extra memory: 0.4 GB for
+        Qwen3-30B-A3B in bf16), against the loop's fused kernel per expert on a few dozen rows each. For prefill-
+        sized steps (LUCEBOX_MOE_GROUPED_MM=1; not yet measured against the loop on a GPU)."""
         e, ff, h = self.n_experts, self.ff, self.hidden
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)

@@ -271,6 +271,9 @@ class LLMEngine:
             dc = self.spec.drafter.cfg
             extra["drafter"] = [model_identity(self.draft_path) if self.draft_path is not None else "unnamed",
                                 dc.num_layers, dc.num_kv_heads, dc.head_dim]
+        skew = getattr(self.loaded.model, "router_skew", None)
+        if skew is not None:  # a routing simulation (spark/simulate.py) changes every MoE layer's output
+            extra["router_skew"] = skew
         target = self.snapshot_kv()
         if target.states is not None:  # a hybrid's snapshots hold its recurrent state (cache/state_snapshots.py)
             extra["state"] = [list(shape) for shape in target.states.shapes()]

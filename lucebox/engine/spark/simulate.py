@@ -40,7 +40,10 @@ def popularity_ranks(n_experts: int, layer: int, seed: int = 0) -> torch.Tensor:
 
 
 def apply_router_skew(model: torch.nn.Module, s: float, dtype: torch.dtype, seed: int = 0) -> None:
-    """Give every MoE layer's router the Zipf bias (a `bias` buffer of its Linear, read by its forward)."""
+    """Give every MoE layer's router the Zipf bias (a `bias` buffer of its Linear, read by its forward), and
+    mark the model (`router_skew`: the disk KV tier's layout id takes it, so no KV computed under another
+    routing is ever restored)."""
+    model.router_skew = s
     for layer, moe in moe_layers(model).items():
         lin = moe.ffn_gate_inp
         bias = (-s * torch.log1p(popularity_ranks(moe.n_experts, layer, seed))).to(dtype)
