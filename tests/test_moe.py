@@ -226,7 +226,8 @@ def test_hf_config_reads_both_expert_count_keys(tiny_hf_folder, tmp_path) -> Non
     not torch.cuda.is_available(), reason="needs CUDA"))])
 def test_grouped_gemm_path_equals_the_loop(device) -> None:
     """`experts_grouped_mm` (torch's grouped GEMM over the pairs sorted by expert, no host sync) gives the
-    loop's result: 37 rows x top-3 of 8 experts, some experts unrouted; fp32 on the CPU, bf16 on CUDA."""
+    loop's result: 37 rows x top-3 of 8 experts, some experts unrouted; fp32 on the CPU, bf16 on CUDA; the same
+    bits when run again, and a row alone gives its batched result."""
     from lucebox.engine.models import moe as moe_mod
 
     if moe_mod._grouped_mm is None:
@@ -241,8 +242,12 @@ def test_grouped_gemm_path_equals_the_loop(device) -> None:
         weights, ids = moe.route(x)
         ids[:, 0] = torch.where(ids[:, 0] == 5, 6, ids[:, 0])  # expert 5 gets fewer rows, maybe none
         ours = moe.experts_grouped_mm(x, weights, ids)
+        again = moe.experts_grouped_mm(x, weights, ids)
+        alone = moe.experts_grouped_mm(x[5:6], weights[5:6], ids[5:6])
         ref = moe.experts(x, weights, ids) if device == "cpu" else moe.to(torch.float32).experts(
             x.float(), weights.float(), ids).to(dtype)
+    assert torch.equal(ours, again)  # a fixed summation order: the same bits every run (no atomics)
+    torch.testing.assert_close(alone, ours[5:6], rtol=1e-5 if device == "cpu" else 1e-2, atol=1e-5)
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(ours, ref, rtol=tol, atol=tol * ref.abs().max().item())
 

@@ -115,6 +115,8 @@ def test_auto_weights_policy_weighs_the_dense_copy_against_the_gpu_memory_cap():
     assert prefer_quantized(16 * gb, free_bytes=139 * gb, cap_bytes=24 * gb)
     assert prefer_quantized(16 * gb, free_bytes=20 * gb, cap_bytes=64 * gb)  # the smaller of the two
     assert not prefer_quantized(4 * gb, free_bytes=139 * gb, cap_bytes=24 * gb)
+    assert prefer_quantized(57 * gb, free_bytes=139 * gb, moe=True)  # quantized experts decode faster
+    assert prefer_quantized(4 * gb, free_bytes=139 * gb, moe=True)
 
 
 def test_the_tuners_choice_is_summarized_for_the_log() -> None:

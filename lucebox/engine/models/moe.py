@@ -13,8 +13,9 @@ captured in a CUDA graph. On CUDA a step of few rows (decode, and any step a CUD
 kernels/triton_moe.py instead: a router kernel, then grouped matmuls over the routed experts, dense or
 quantized, the routing read on the device. `experts_every` (every expert over every row, no host sync) is
 what a capture gets with that kernel switched off (LUCEBOX_MOE_KERNEL=0). `experts_grouped_mm` is the eager
-path as three grouped GEMMs without the host sync (quantized experts dequantized a projection at a time), for
-prefill steps on CUDA (LUCEBOX_MOE_GROUPED_MM=1, off until measured).
+path as three grouped GEMMs without the host sync (quantized experts dequantized a projection at a time): what
+prefill steps take on CUDA (LUCEBOX_MOE_GROUPED_MM=0 turns it off). On the H200, Qwen3-30B-A3B-shaped Q4_K_M, it
+prefilled 2048 tokens 12.2x faster than the loop quantized (16.6K vs 1.4K tok/s) and 6.8x dense (21.7K vs 3.2K).
 
 Parameter names are the GGUF tensor names (`ffn_gate_inp`, `ffn_gate_exps`, `ffn_up_exps`, `ffn_down_exps`,
 `exp_probs_b`, `ffn_gate_inp_shexp`, `ffn_gate_shexp`, `ffn_up_shexp`, `ffn_down_shexp`); a block mounts
@@ -40,9 +41,9 @@ from lucebox.engine.models.layers import Linear, gated_act
 from lucebox.engine.weights.quant import QuantWeight, qlinear
 
 # torch's grouped GEMM (public as F.grouped_mm in recent releases; torch._grouped_mm since 2.8), for
-# `MoE.experts_grouped_mm`; LUCEBOX_MOE_GROUPED_MM=1 sends CUDA prefill steps through it.
+# `MoE.experts_grouped_mm`, which CUDA prefill steps take (LUCEBOX_MOE_GROUPED_MM=0: the per-expert loop).
 _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
-GROUPED_MM = os.environ.get("LUCEBOX_MOE_GROUPED_MM", "0") == "1"
+GROUPED_MM = os.environ.get("LUCEBOX_MOE_GROUPED_MM", "1") != "0"
 
 
 class ExpertBias(nn.Module):
@@ -187,11 +188,11 @@ class MoE(nn.Module):
 
     def experts_grouped_mm(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """`experts` as three grouped GEMMs over the pairs sorted by expert (torch's grouped_mm: one launch per
-        projection for every expert, the group offsets computed on the device, so no host sync), then the weighted
-        pairs added back with one index_add (in the loop's order on the CPU; atomics on CUDA). Quantized experts are
+        projection for every expert, the group offsets computed on the device, so no host sync), then each row's k
+        weighted outputs summed in a fixed order (deterministic on CUDA too). Quantized experts are
         dequantized a whole projection at a time (one projection's dense copy is the extra memory: 0.4 GB for
-        Qwen3-30B-A3B in bf16), against the loop's fused kernel per expert on a few dozen rows each. For prefill-
-        sized steps (LUCEBOX_MOE_GROUPED_MM=1; not yet measured against the loop on a GPU)."""
+        Qwen3-30B-A3B in bf16), against the loop's fused kernel per expert on a few dozen rows each. CUDA prefill steps
+        take it (the module docstring has the figures); LUCEBOX_MOE_GROUPED_MM=0 keeps them on the loop."""
         e, ff, h = self.n_experts, self.ff, self.hidden
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
@@ -203,7 +204,10 @@ class MoE(nn.Module):
         act = gated_act(gate, up, self.act)
         del gate, up
         y = _grouped_mm(act, _dense(self.ffn_down_exps, x.dtype).view(e, h, ff).transpose(1, 2), offs=offs)
-        return torch.zeros_like(x).index_add_(0, rows, y * weights.reshape(-1)[order, None])
+        # Back to (row, k) order, then each row's k outputs weighted and summed by one batched matmul: a fixed order
+        # (an index_add of all pairs would add a row's k outputs by atomics, in an order that changes run to run).
+        pairs = torch.empty_like(y).index_copy_(0, order, y).view(-1, self.top_k, h)
+        return torch.bmm(weights.reshape(-1, 1, self.top_k), pairs).view(-1, h)
 
     def experts_every(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """`experts` without a host sync: every expert over every row, weighted by the routing weights
