@@ -178,6 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "qwen3.5-35b-a3b, ...; written to a temporary folder) with --model's tokenizer, instead "
                         "of --model (with --no-hf: the weights are random)")
     b.add_argument("--mix", default="Q4_K_M", help="--shape: the weights' quant mix (Q4_K_M, Q8_0, F16)")
+    b.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                   help="also profile this many decode steps at the first --batch-sizes, eagerly (the model loaded "
+                        "again without CUDA graphs): a table of kernels by time a step (ops on the CPU)")
     b.add_argument("--json", type=Path, default=Path("bench_decode.json"), help="where to write the results")
     b.set_defaults(func=_lazy("lucebox.bench.decode", "main"))
 

@@ -101,3 +101,24 @@ def test_weight_bytes_count_the_experts_a_step_reads(tiny_gguf) -> None:
         assert abs(weight_bytes(model, batch) - (whole - experts * (1 - share))) <= 8
     dense = load_model(tiny_gguf("llama", "F32"), device="cpu", dtype=torch.float32, quiet=True).model
     assert weight_bytes(dense, 1) == weight_bytes(dense, 16)
+
+
+def test_bench_decode_profile_accounts_for_a_decode_step(tmp_path: Path, tiny_q8: Path, capsys) -> None:
+    """`--profile N`: N eager decode steps profiled after the timed cases: a table of ops (CPU) by time a step,
+    in the JSON too, busiest first, the shares summing to 1 and the calls a step counted over N steps."""
+    from lucebox.cli import main
+
+    out = tmp_path / "bench.json"
+    assert main(["bench", "decode", "--model", str(tiny_q8), "--device", "cpu", "--no-hf", "--prompt-lens", "16",
+                 "--batch-sizes", "2", "--gen-len", "3", "--profile", "3", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "bench decode --profile: 3 eager decode steps at batch 2 on cpu" in printed
+    prof = json.loads(out.read_text())["profile"]
+    assert prof["batch"] == 2 and prof["steps"] == 3 and prof["busy_us_per_step"] > 0
+    rows = prof["kernels"]
+    assert rows and all(r["us_per_step"] > 0 for r in rows)
+    assert [r["us_per_step"] for r in rows] == sorted((r["us_per_step"] for r in rows), reverse=True)
+    assert abs(sum(r["share"] for r in rows) - 1) < 1e-6
+    linear = next(r for r in rows if r["name"] in ("aten::mm", "aten::addmm", "aten::linear", "aten::matmul"))
+    assert linear["calls_per_step"] >= 1 and linear["calls_per_step"] * 3 == round(linear["calls_per_step"] * 3)
+    assert linear["name"] in printed

@@ -28,6 +28,7 @@ rows. Quantized kernels are tuned and checked for the model's shapes first
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import statistics
@@ -40,6 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from lucebox.bench import kernel_profile
 from lucebox.bench.random_models import add_tokenizer, mix_qtype, random_blocks
 from lucebox.bench.report import environment, print_table, write_json
 from lucebox.engine.runtime.llm_engine import LLMEngine
@@ -66,6 +68,20 @@ def _timed(fn: Callable[[], Any], device: torch.device) -> float:
 def _median(fn: Callable[[], Any], device: torch.device) -> float:
     fn()  # warm-up (allocations, CUDA graph capture, kernel selection)
     return statistics.median(_timed(fn, device) for _ in range(REPEATS))
+
+
+def _profile(path: Path, config: Any, device: torch.device, dtype: torch.dtype, quantized: bool, batch: int,
+             steps: int) -> dict[str, Any]:
+    """`--profile`: the file loaded again as before (`quantized` or dense) in `config` without CUDA graphs or
+    decoding one step ahead, so that every kernel launch is seen; `steps` decode steps at `batch` profiled."""
+    from lucebox.engine.weights.loader import load_model
+
+    gc.collect()  # the timed engine's reference cycles (runner, graphs): its weights and KV go first
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    eager = LLMEngine(load_model(path, device=device, dtype=dtype, quiet=True, quantized=quantized),
+                      dataclasses.replace(config, cuda_graphs=False, ahead=False))
+    return kernel_profile.profile_decode(eager, [_prompt(eager, 256, seed=2000 + i) for i in range(batch)], steps)
 
 
 def _prompt(engine: LLMEngine, n: int, seed: int) -> list[int]:
@@ -306,6 +322,11 @@ def _run(args: argparse.Namespace) -> int:
         dense = LLMEngine(load_model(path, device=device, dtype=dtype, quiet=True, quantized=False), config)
         _decode_cases(dense, f" ({label_dense(dtype)})", batch_sizes, gen, None, copy_bw, rows, results, progress)
     progress.close()
+    profiled = None
+    if getattr(args, "profile", 0):
+        config = (dense if compare else engine).config
+        engine = dense = None  # free the device for the eager copy
+        profiled = _profile(Path(model_path), config, device, dtype, quantized, batch_sizes[0], args.profile)
     peer = None
     if getattr(args, "peer_bench", None):
         engine = dense = None  # free the device for the peer
@@ -326,11 +347,16 @@ def _run(args: argparse.Namespace) -> int:
 
     print_table(title, ["case", "unit", "lucebox", "transformers", "ratio", "llama.cpp", "vs llama.cpp",
                         "weight GB/s", "of copy BW"], rows)
+    if profiled is not None:
+        print_table(f"bench decode --profile: {profiled['steps']} eager decode steps at batch {profiled['batch']} "
+                    f"on {profiled['device']}: {profiled['busy_us_per_step']:,.1f} us busy and "
+                    f"{profiled['launches_per_step']:,.0f} launches a step", kernel_profile.COLUMNS,
+                    kernel_profile.table_rows(profiled))
     write_json(args.json, {"benchmark": "decode", "model": str(model_path),
                            "dtype": str(dtype), "cuda_graphs": cuda_graphs, "env": env,
                            "copy_bandwidth_gb_s": copy_bw / 1e9 if copy_bw else None,
                            "peak_device_memory_gib": peak, "results": results,
-                           "peer_bench": peer})
+                           "peer_bench": peer, "profile": profiled})
     return 0
 
 
