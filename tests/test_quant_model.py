@@ -119,6 +119,16 @@ def test_auto_weights_policy_weighs_the_dense_copy_against_the_gpu_memory_cap():
     assert prefer_quantized(4 * gb, free_bytes=139 * gb, moe=True)
 
 
+@pytest.mark.parametrize("arch,qtype,experts", [("qwen3moe", "Q8_0", True), ("qwen3moe", "F32", False),
+                                                ("qwen3", "Q8_0", False)])
+def test_auto_weights_policy_finds_quantized_experts(tiny_gguf, arch, qtype, experts) -> None:
+    """What `--weights auto` reads to keep a mixture of experts quantized: stacked expert tensors
+    (`blk.N.ffn_*_exps.weight`) in a kept quant type; a dense model's Q8_0 linears or an F32 MoE do not count."""
+    from lucebox.engine.weights.gguf_loader import open_gguf, quantized_experts
+
+    assert quantized_experts(open_gguf(tiny_gguf(arch, qtype))) is experts
+
+
 def test_the_tuners_choice_is_summarized_for_the_log() -> None:
     """The start-up log line and `bench decode` say how many tuned shapes run the int8-activation kernels."""
     from lucebox.engine.weights.quant import linear

@@ -248,6 +248,12 @@ def prefer_quantized(dense_bytes: int, free_bytes: int, cap_bytes: int | None = 
     return moe or dense_bytes > room // 2
 
 
+def quantized_experts(reader: GGUFFile) -> bool:
+    """Whether the file holds a mixture of experts' stacked expert weights (`blk.N.ffn_*_exps.weight`) in a quant
+    type the kernels keep quantized."""
+    return any(t.name.endswith("_exps.weight") and t.tensor_type.name in QUANT_TYPES for t in reader.tensors)
+
+
 def keep_quantized(reader: GGUFFile, dtype: torch.dtype, device: torch.device, cap_bytes: int | None = None) -> bool:
     """The `auto` weights policy: quantized blocks on CUDA for a mixture-of-experts model with quantized experts,
     and for any other model whose dense copy would not fit.
@@ -262,7 +268,7 @@ def keep_quantized(reader: GGUFFile, dtype: torch.dtype, device: torch.device, c
     """
     if device.type != "cuda" or not any(t.tensor_type.name in QUANT_TYPES for t in reader.tensors):
         return False
-    moe = any(t.name.endswith("_exps.weight") and t.tensor_type.name in QUANT_TYPES for t in reader.tensors)
+    moe = quantized_experts(reader)
     free, _ = torch.cuda.mem_get_info(device)
     room = free if cap_bytes is None else min(free, cap_bytes)
     dense = dense_weight_bytes(reader, dtype)
