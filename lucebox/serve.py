@@ -20,8 +20,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import orjson
-
 from lucebox.api.common import ServerContext
 from lucebox.engine.pflash.config import PFlashConfig
 from lucebox.engine.pflash.service import MODES as PFLASH_MODES
@@ -291,8 +289,8 @@ def load_into(ctx: ServerContext, cfg: ServerConfig) -> Any:
             apply_router_skew(loaded.model, skew, loaded.dtype)
             log.warning("router skew zipf:%g: a SIMULATION of expert popularity; the model's outputs change", skew)
             ctx.props["router_skew"] = f"zipf:{skew:g} (simulation)"
-    if cfg.spark is not None:  # a profile measured under another routing places the experts for other traffic
-        calibrated = orjson.loads(cfg.spark.read_bytes()).get("router_skew")
+    if spark is not None and spark.info["profile"] is not None:  # a profile measured under another routing
+        calibrated = spark.info["calibrated_router_skew"]  # placed the experts for other traffic
         served = ctx.props.get("router_skew")
         if calibrated != served:
             log.warning("--spark %s was calibrated under router skew %s, served under %s: its placement does not "

@@ -198,6 +198,7 @@ def place_experts(loaded: Any, device: torch.device, cfg: SparkConfig, quiet: bo
     loaded.device = device
     n_hot = sum(len(v) for v in hot.values())
     info = {"placement": kind, "profile": str(cfg.profile) if doc is not None else None,
+            "calibrated_router_skew": doc.get("router_skew") if doc is not None else None,
             "budget": str(budget), "budget_bytes": budget_bytes, "expert_bytes_total": total,
             "hot_experts": n_hot, "experts": len(held) * len(layers), "held_experts": [held.start, held.stop],
             "ring_slots_per_layer": ring,
