@@ -261,7 +261,8 @@ def keep_quantized(reader: GGUFFile, dtype: torch.dtype, device: torch.device, c
     MoE (H200, Qwen3-30B-A3B-shaped Q4_K_M, one run of `bench decode`, 2026-12-04): the blocks decode 313 tok/s
     at batch 1 against dense bf16's 231 (1.36x) and 1,615 against 1,521 at batch 16, in 17 of 57 GiB, and
     prefill 2048 tokens at 16.6K against 21.7K tok/s (0.76x): faster decode and 3.4x the room for KV win.
-    Dense models: the 8B Q4_K_M's blocks decode 261 vs 214 tok/s at batch 1 but 1,978 vs 3,172 at batch 16, so
+    Dense models (figures from different runs): the 8B Q4_K_M's blocks decode 261 vs 214 tok/s at batch 1 but
+    1,978 vs 3,172 at batch 16, so
     dense stays the default while the dense weights take at most half the room (`prefer_quantized`: free
     memory, or the --gpu-memory cap); a larger model keeps its blocks quantized so it loads at all (a 27B
     Q4_K_M on a 24 GB card). Files with no quantized tensors, and the CPU, stay dense.
