@@ -573,8 +573,10 @@ def test_graph_resident_decode_gives_the_eager_tokens_on_cuda(tiny_gguf, qwen35m
     Spark engine's greedy tokens (fp32); a step that routed to a cold expert is replayed after copying it in,
     or run again eagerly without a ring (counted). qwen35moe: a hybrid, its recurrent states put back before a
     step runs again."""
+    from lucebox.engine.runtime import warmup
     from lucebox.engine.spark.engine import spark_engine
 
+    warmup.COMPILES.install()
     path = qwen35moe_gguf if qtype == "qwen35moe" else tiny_gguf("qwen3moe", qtype)
     econf = EngineConfig(device="cuda", dtype="float32", kv_tokens=2048, weights="quantized", max_num_seqs=4)
     params = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -593,6 +595,7 @@ def test_graph_resident_decode_gives_the_eager_tokens_on_cuda(tiny_gguf, qwen35m
         if ring:
             ours.warm_up(progress=False)  # every bucket captured up front, as serving does
         assert ours.generate(PROMPTS, params) == want, what
+        assert not warmup.COMPILES.in_capture, (what, warmup.COMPILES.in_capture)  # each capture rehearsed
         s = spark.stats
         assert runner.graphs.graphs and s.graph_steps + s.redos > 0, what
         if budget == "100%":

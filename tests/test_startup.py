@@ -349,7 +349,7 @@ def test_no_capture_or_compile_while_serving_mixed_requests(smollm2_path):
         with ThreadPoolExecutor(6) as pool:
             assert list(pool.map(one, range(12))) == [200] * 12
         assert engine.captures_after_ready == 0
-        assert engine.compiles_after_ready == 0, warmup.COMPILES.late
+        assert engine.compiles_after_ready == 0 and not warmup.COMPILES.in_capture, warmup.COMPILES.late
     finally:
         server.stop()
 
@@ -378,6 +378,7 @@ def test_spec_warm_up_captures_every_graph(smollm2_path, tmp_path):
     prompts = [engine.tokenizer.encode("x " * n) for n in (5, 300, 700)]
     engine.generate(prompts, SamplingParams(max_tokens=40, ignore_eos=True))
     assert engine.captures_after_ready == 0 and engine.compiles_after_ready == 0, warmup.COMPILES.late
+    assert not warmup.COMPILES.in_capture, warmup.COMPILES.in_capture
 
 
 @needs_cuda

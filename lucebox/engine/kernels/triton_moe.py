@@ -29,6 +29,7 @@ import os
 
 import torch
 
+from lucebox.engine.kernels import graph_mode
 from lucebox.engine.weights.quant import QuantWeight
 
 try:
@@ -63,7 +64,7 @@ PAIR_ROWS = int(_pair_env) if _pair_env.isdigit() else 16
 def use_kernel(x: torch.Tensor) -> bool:
     """Whether the routed experts of activations `x` [T, hidden] run here."""
     on_device = x.is_cuda or (ON_CPU and x.device.type == "cpu")
-    small = x.shape[0] <= MAX_ROWS or (x.is_cuda and torch.cuda.is_current_stream_capturing())
+    small = x.shape[0] <= MAX_ROWS or graph_mode.for_graph(x)
     return ENABLED and triton is not None and on_device and small
 
 

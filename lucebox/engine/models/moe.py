@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lucebox.engine.kernels import triton_moe
+from lucebox.engine.kernels import graph_mode, triton_moe
 from lucebox.engine.models.config import ModelConfig
 from lucebox.engine.models.layers import Linear, gated_act
 from lucebox.engine.weights.quant import QuantWeight, qlinear
@@ -159,7 +159,7 @@ class MoE(nn.Module):
                 mine = (ids >= held.start) & (ids < held.stop)
                 weights, ids = weights * mine.to(weights.dtype), torch.where(mine, ids - held.start, 0)
             return triton_moe.moe_experts(x, weights, ids, len(held), *stacked, self.act)
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        if graph_mode.for_graph(x):
             return self.experts_every(x, weights, ids)
         if GROUPED_MM and x.is_cuda and self.grouped_mm_ok(x):
             return self.experts_grouped_mm(x, weights, ids)

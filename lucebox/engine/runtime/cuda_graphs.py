@@ -26,7 +26,9 @@ A hybrid model's decode step (models/qwen35.py) is captured the same way: the ro
 one more part of the packed inputs (padding rows: scratch slot 0), and its Triton decode kernels
 (kernels/triton_deltanet.py) update the slots in place, which is safe since a replay cannot stop half-way.
 The eager warm-up runs before a capture point the rows at the scratch slots (KV and state), so a capture while
-serving leaves the sequences' states as they were.
+serving leaves the sequences' states as they were. They run under `graph_mode.rehearsal()`, so every layer takes
+the path the capture will take (the sync-free MoE and Spark paths) and its Triton kernels compile then, never
+inside the capture (which breaks it: "operation failed due to a previous error during capture").
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lucebox.engine.kernels import triton_attention
+from lucebox.engine.kernels import graph_mode, triton_attention
 from lucebox.engine.kernels.attention import AttentionMetadata, AttnGroup
 from lucebox.engine.runtime.recurrent_state import StateRows
 from lucebox.engine.runtime.sequence import Chunk
@@ -263,8 +265,8 @@ class CudaGraphDecoder:
             part.zero_()
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm-up outside the graph (kernel compilation, cuBLAS handles)
+        with torch.cuda.stream(stream), graph_mode.rehearsal():
+            for _ in range(2):  # warm-up outside the graph (kernel compilation, cuBLAS handles) on its path
                 logits, _ = self._forward(batch, c)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         if held is not None:

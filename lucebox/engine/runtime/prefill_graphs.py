@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lucebox.engine.kernels import triton_attention
+from lucebox.engine.kernels import graph_mode, triton_attention
 from lucebox.engine.kernels.attention import AttentionMetadata, AttnGroup, pad_tables
 from lucebox.engine.runtime.sequence import Chunk
 
@@ -198,8 +198,8 @@ class PrefillGraphs:
         self.dev.copy_(self.host)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm-up outside the graph (kernel compilation, cuBLAS handles)
+        with torch.cuda.stream(stream), graph_mode.rehearsal():
+            for _ in range(2):  # warm-up outside the graph (kernel compilation, cuBLAS handles) on its path
                 logits = self._forward(rows)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         if self.out_logits is None:

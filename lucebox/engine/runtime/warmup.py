@@ -19,6 +19,8 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from lucebox.engine.runtime.sampler import SamplingParams
 
 if TYPE_CHECKING:
@@ -36,6 +38,7 @@ class KernelCompiles:
         self.count = 0
         self.armed = False
         self.late: list[str] = []  # kernels compiled while armed
+        self.in_capture: list[str] = []  # kernels compiled inside a CUDA graph capture (its rehearsal missed them)
         self.installed = False
         self._lock = threading.Lock()
 
@@ -64,6 +67,9 @@ class KernelCompiles:
     def _compiled(self, fn: Any) -> None:
         name = str(getattr(fn, "name", None) or fn)
         self.count += 1
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            self.in_capture.append(name)
+            log.warning("Triton kernel %s compiled inside a CUDA graph capture (graph_mode.rehearsal missed it)", name)
         if self.armed:
             self.late.append(name)
             log.warning("Triton kernel %s compiled while serving (the warm-up missed this shape)", name)

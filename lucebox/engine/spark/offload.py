@@ -52,7 +52,7 @@ from typing import Any
 
 import torch
 
-from lucebox.engine.kernels import triton_moe
+from lucebox.engine.kernels import graph_mode, triton_moe
 from lucebox.engine.models.moe import MoE, expert_ffn
 from lucebox.engine.weights.quant import QuantWeight
 
@@ -203,7 +203,7 @@ class LayerOffload:
 
     def experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """MoE.experts' result, computed from the slots, the ring, copies and the CPU (module docstring)."""
-        if self.optimistic or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+        if self.optimistic or graph_mode.for_graph(x):
             return self._resident(x, weights, ids)
         moe = self.moe
         flat = ids.reshape(-1)
@@ -272,7 +272,8 @@ class LayerOffload:
         if len(held) < moe.n_experts:
             cold = cold & (ids >= held.start) & (ids < held.stop)
         # every pair of an expert has the same `cold`, so the duplicate writes agree; a resident one writes False
-        self.missed.index_put_((ids.reshape(-1),), cold.reshape(-1))
+        if not graph_mode.rehearsing():  # a capture's rehearsal would leave marks no step made
+            self.missed.index_put_((ids.reshape(-1),), cold.reshape(-1))
         n_slots = len(self.slots[0]) // self.proj[0].rows
         if n_slots == 0:
             return torch.zeros_like(x)

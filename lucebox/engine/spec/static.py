@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from lucebox.engine.kernels import graph_mode
 from lucebox.engine.kernels.attention import AttentionMetadata, AttnGroup, pad_tables, tree_bits
 from lucebox.engine.runtime.cuda_graphs import MIN_CTX, all_buckets, batch_buckets, pick_buckets
 from lucebox.engine.runtime.sequence import Chunk
@@ -41,8 +42,8 @@ class _Graphed:
         if device.type == "cuda":
             stream = torch.cuda.Stream(device)
             stream.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(stream):
-                for _ in range(2):
+            with torch.cuda.stream(stream), graph_mode.rehearsal():
+                for _ in range(2):  # kernel compilation, cuBLAS handles, on the capture's path
                     fn()
             torch.cuda.current_stream(device).wait_stream(stream)
             self.graph = torch.cuda.CUDAGraph()
