@@ -122,6 +122,21 @@ def test_act_mul(dtype, t, act, ffn):
     assert_close(ops.act_mul(gate_up, act), ops.act_mul_ref(gate_up, act))
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("n,k", [(128, 2048), (1, 2048), (257, 96), (512, 1000)])
+def test_small_linear(dtype, n, k):
+    """One row against a small dense weight (a MoE router, a shared expert's gate) equals the fp32 product
+    rounded once, odd sizes included; what it does not serve goes to F.linear."""
+    torch.manual_seed(0)
+    x, w = randn(1, k, dtype=dtype), randn(n, k, dtype=dtype)
+    assert_close(ops.small_linear(x, w), (x.float() @ w.float().T).to(dtype))
+    on = ops.use_kernels(x)
+    assert ops.small_linear_ok(x, w) == on
+    for other in (randn(2, k, dtype=dtype), x.float()):  # two rows; an fp32 weight below
+        assert not ops.small_linear_ok(other, w)
+    assert not ops.small_linear_ok(x, w.float()) and not ops.small_linear_ok(x, randn(513, k, dtype=dtype))
+
+
 def test_bad_shapes_are_refused():
     x = randn(2, 64, dtype=torch.float32)
     with pytest.raises(ValueError, match="weight shape"):

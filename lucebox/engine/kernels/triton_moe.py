@@ -219,9 +219,11 @@ def route(logits: torch.Tensor, top_k: int, router: str, norm: bool, scale: floa
     weights = torch.empty(t, top_k, device=logits.device, dtype=dtype)
     ids = torch.empty(t, top_k, device=logits.device, dtype=torch.int64)
     if t:
+        # one warp: the top-k loop's reductions stay in registers (H200, CUDA graphs, one row: 2.4 us for 128
+        # experts, 3.0 for 256, against 4.1 and 4.3 with 4 warps)
         _route_kernel[(t,)](logits, bias, weights, ids, n_experts, logits.stride(0), scale, TOP_K=top_k,
                             SIGMOID=router == "sigmoid", NORM=norm, BE=triton.next_power_of_2(n_experts),
-                            BK=triton.next_power_of_2(top_k), num_warps=4)
+                            BK=triton.next_power_of_2(top_k), num_warps=1)
     return weights, ids
 
 

@@ -954,7 +954,13 @@ Q8X_CANDIDATES = {
     "Q8_0": [(4, 2, 4, 1, "q8x"), (2, 4, 4, 1, "q8x"), (4, 4, 4, 1, "q8x"), (8, 2, 4, 1, "q8x"), (8, 1, 4, 4, "q8x"),
              (16, 1, 4, 4, "q8x")],
 }
-Q8X_CANDIDATES["Q6_K"] = Q8X_CANDIDATES["Q4_K"]
+Q8X_CANDIDATES["Q6_K"] = list(Q8X_CANDIDATES["Q4_K"])
+# Q4_K also tries the winners of a 60-config sweep per Qwen3-8B matrix (H200, 2026-12-04, `time_candidates` as the
+# tuner times them: one row, CUDA graphs, quant_x and split sums included): 4096x4096 6.5 us, 1024x4096 4.6,
+# 24576x4096 22.7, 4096x12288 13.6, against 8.5 / 4.9 / 28.0 / 15.8 for the best of the configs above. Q6_K's sweep
+# gained 6% at most (4096x12288: 24.7 against 26.3 us) and its kernel compiles ~2.5 s a config: not added there.
+Q8X_CANDIDATES["Q4_K"] += [(32, 16, 4, 1, "q8x"), (16, 16, 2, 1, "q8x"), (16, 16, 2, 2, "q8x"), (4, 16, 1, 1, "q8x"),
+                           (32, 8, 2, 1, "q8x"), (16, 8, 1, 1, "q8x")]
 SMALL_CANDIDATES = [(64, 1, 4, 4), (64, 1, 4, 1), (64, 1, 4, 8), (32, 1, 4, 4)]
 # The int8 tensor-core small-batch kernels (Q4_K, Q6_K, Q8_0): (BN, 1, warps, split, "q8x").
 SMALL_Q8X_CANDIDATES = {"Q4_K": [(64, 1, 4, 4, "q8x"), (32, 1, 4, 4, "q8x"), (64, 1, 4, 2, "q8x"),
