@@ -367,10 +367,11 @@ def test_int8_small_batch(qtype: str, m: int, cfg) -> None:
     assert rel_err(out, reference(x, w, bias)) < 1.5e-2
 
 
-def test_bench_qmm_measures_every_matrix_type_and_row_count(monkeypatch, tmp_path) -> None:
+@pytest.mark.parametrize("sweep", [False, True])
+def test_bench_qmm_measures_every_matrix_type_and_row_count(monkeypatch, tmp_path, sweep) -> None:
     """`bench qmm`'s loop on a tiny shape (the kernels under the interpreter on the CPU, the graph timer stubbed:
     float kernels 2 ms, int8 ones 1 ms, cuBLAS 3 ms): a row per (matrix, type, rows) with both families timed,
-    the int8 kernel's bandwidth, and the JSON."""
+    the int8 kernel's bandwidth, and the JSON; `--sweep` adds the wider grid's best at one row."""
     import argparse
     import json
 
@@ -387,7 +388,8 @@ def test_bench_qmm_measures_every_matrix_type_and_row_count(monkeypatch, tmp_pat
         len(fn.__defaults__[0]) if fn.__defaults__ and isinstance(fn.__defaults__[0], tuple) else 0, 3.0))[-1])
     mats = [m for m in bench_qmm.matrices("tiny", 512) if m[0] == "attn_q"]
     out = tmp_path / "qmm.json"
-    args = argparse.Namespace(shape="tiny", json=out)
+    monkeypatch.setattr(bench_qmm, "sweep_configs", lambda: [(4, 2, 1, 1, "q8x"), (8, 1, 1, 1, "q8x")])
+    args = argparse.Namespace(shape="tiny", json=out, sweep=sweep)
     assert bench_qmm.run(args, ["Q4_K", "Q6_K", "Q8_0"], [1, 2], mats, torch.device(DEVICE)) == 0
     results = json.loads(out.read_text())["results"]
     assert len(results) == 3 * 2
@@ -395,6 +397,12 @@ def test_bench_qmm_measures_every_matrix_type_and_row_count(monkeypatch, tmp_pat
         assert r["cublas_bf16_us"] == 3000.0
         assert r["float_us"] == 2000.0
         assert r["int8_us"] == (None if r["qtype"] == "Q8_0" and r["rows"] == 2 else 1000.0)
+        if not sweep:
+            assert "sweep" not in r
+        elif r["rows"] == 1:  # the grid's config the tuner did not try (Q8_0's (4, 2, ...) is new to it as well)
+            assert r["sweep"]["us"] == 1000.0 and tuple(r["sweep"]["config"][:4]) in {(8, 1, 1, 1), (4, 2, 1, 1)}
+        else:
+            assert r["sweep"] is None
 
 
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])

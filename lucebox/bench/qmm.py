@@ -6,11 +6,16 @@ best correct launch config of the float kernels and of the int8-activation kerne
 baseline a dense model would run. Weight bandwidth is the quantized bytes over the best time, and its fraction
 of a copy-bandwidth measurement made in the same run. Random blocks with finite scales: the kernels' speed does
 not depend on the values.
+
+`--sweep`: at one activation row, also every int8-gemv config of a wider grid (`sweep_configs`: ~60 per type,
+compiled and checked like the tuner's), reporting the fastest beside the tuner's best: how stop 34 found the Q4_K
+configs the tuner now tries. Slow (minutes; Q6_K's kernel compiles ~2.5 s a config).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 from typing import Any
 
 import torch
@@ -32,6 +37,13 @@ def matrices(shape_name: str, vocab: int) -> list[tuple[str, int, int]]:
     q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
     return [("attn_q", q, s.hidden), ("attn_k / attn_v", kv, s.hidden), ("attn_output", s.hidden, q),
             ("ffn_gate|up", 2 * s.ffn, s.hidden), ("ffn_down", s.hidden, s.ffn), ("output", vocab, s.hidden)]
+
+
+def sweep_configs() -> list[tuple]:
+    """The int8 gemv launch configs `--sweep` tries: (BN, NB, warps, split, "q8x") with BN * NB (row, super-block)
+    pairs a step, at least one per thread of the program and at most 512."""
+    grid = itertools.product((4, 8, 16, 32), (1, 2, 4, 8, 16), (1, 2, 4), (1, 2))
+    return [(bn, nb, warps, split, "q8x") for bn, nb, warps, split in grid if 32 * warps <= bn * nb <= 512]
 
 
 def _ints(text: str) -> list[int]:
@@ -67,6 +79,7 @@ def run(args: argparse.Namespace, types: list[str], rows_list: list[int], mats: 
     from lucebox.bench.decode import copy_bandwidth
 
     copy_bw = copy_bandwidth(device)
+    sweep = bool(getattr(args, "sweep", False))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # the interpreter's dots want fp32
     rows: list[list[Any]] = []
     results: list[dict[str, Any]] = []
@@ -85,19 +98,29 @@ def run(args: argparse.Namespace, types: list[str], rows_list: list[int], mats: 
                 cublas = baseline[m]
                 best = min(t for t in (flt, int8) if t is not None) if timed else None
                 gbs = w.data.numel() / (best * 1e-3) / 1e9 if best else None
-                rows.append([name, qtype, f"{n}x{k}", m, flt and flt * 1e3, int8 and int8 * 1e3, cublas * 1e3,
-                             gbs, gbs * 1e9 / copy_bw if gbs and copy_bw else None, cublas / best if best else None])
-                results.append({"matrix": name, "qtype": qtype, "n": n, "k": k, "rows": m,
-                                "float_us": flt and flt * 1e3, "int8_us": int8 and int8 * 1e3,
-                                "cublas_bf16_us": cublas * 1e3, "weight_gb_s": gbs,
-                                "configs": [{"config": list(c), "us": t * 1e3} for c, t in timed]})
+                row = [name, qtype, f"{n}x{k}", m, flt and flt * 1e3, int8 and int8 * 1e3, cublas * 1e3,
+                       gbs, gbs * 1e9 / copy_bw if gbs and copy_bw else None, cublas / best if best else None]
+                result = {"matrix": name, "qtype": qtype, "n": n, "k": k, "rows": m,
+                          "float_us": flt and flt * 1e3, "int8_us": int8 and int8 * 1e3,
+                          "cublas_bf16_us": cublas * 1e3, "weight_gb_s": gbs,
+                          "configs": [{"config": list(c), "us": t * 1e3} for c, t in timed]}
+                if sweep:
+                    tried = {c for c, _ in timed}
+                    wide = [] if m > 1 or qtype not in triton_qmm.Q8X_CANDIDATES else triton_qmm.time_candidates(
+                        x, w, [c for c in sweep_configs() if c not in tried])
+                    top = min(wide, key=lambda ct: ct[1], default=None)
+                    row += [top and top[1] * 1e3, top and "/".join(map(str, top[0][:4]))]
+                    result["sweep"] = top and {"config": list(top[0]), "us": top[1] * 1e3}
+                rows.append(row)
+                results.append(result)
                 print(f"bench qmm: {name} {qtype} {n}x{k} rows {m} done", flush=True)
             del w
     env = environment(device)
     title = (f"bench qmm: {args.shape} matrices on {env.get('gpu', device)} (CUDA graphs)"
              f"{f'; copy bandwidth {copy_bw / 1e9:,.0f} GB/s' if copy_bw else ''}")
     print_table(title, ["matrix", "type", "shape", "rows", "float us", "int8 us", "bf16 cuBLAS us", "weight GB/s",
-                        "of copy BW", "vs bf16 cuBLAS"], rows)
+                        "of copy BW", "vs bf16 cuBLAS"] + (["sweep best us", "its BN/NB/warps/split"] if sweep else []),
+                rows)
     write_json(args.json, {"benchmark": "qmm", "shape": args.shape, "env": env,
                            "copy_bandwidth_gb_s": copy_bw / 1e9 if copy_bw else None, "results": results})
     return 0
