@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lucebox.engine.kernels import triton_deltanet
+from lucebox.engine.kernels import triton_deltanet, triton_ops
 from lucebox.engine.kernels.attention import AttentionMetadata, paged_attention
 from lucebox.engine.models.config import ModelConfig
 from lucebox.engine.models.decoder import DecoderModel, Rope
@@ -78,9 +78,15 @@ class _Block(nn.Module):
             self.ffn_up = Linear(h, f)
             self.ffn_down = Linear(f, h)
 
-    def ffn(self, h: torch.Tensor) -> torch.Tensor:
-        """h + FFN(post_attention_norm(h))."""
-        x = self.post_attention_norm(h)
+    def ffn(self, h: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """h' + FFN(post_attention_norm(h')) with h' = h + out, the mixer's output `out` added to the residual
+        stream `h` (on the fused-ops device in the norm's kernel: one launch fewer a block)."""
+        norm = self.post_attention_norm
+        if triton_ops.use_kernels(out) and not torch.is_grad_enabled():
+            x, h = triton_ops.add_rms_norm(out, h, norm.weight, norm.eps)
+        else:
+            h = h + out
+            x = norm(h)
         if self.moe is not None:
             return h + self.moe(x)
         return h + self.ffn_down(gated_act(self.ffn_gate(x), self.ffn_up(x)))
@@ -112,7 +118,7 @@ class GatedAttentionBlock(_Block):
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)  # the table is rotary_dim wide: partial rotary
         a = paged_attention(q, k, v, k_cache, v_cache, meta, scale=self.scale, sliding=False)
         a = a.reshape(T, -1) * torch.sigmoid(gate.reshape(T, -1))
-        return self.ffn(h + self.attn_output(a))
+        return self.ffn(h, self.attn_output(a))
 
 
 class DeltaNetBlock(_Block):
@@ -183,8 +189,9 @@ class DeltaNetBlock(_Block):
     def _finish(self, h: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """The gated output norm, `ssm_out`, the residual and the FFN, from the delta rule's outputs `out`."""
         z = self.attn_gate(x).view(-1, self.v_heads, self.v_dim)
-        y = self.ssm_norm(out.to(h.dtype)) * F.silu(z.float()).to(h.dtype)
-        return self.ffn(h + self.ssm_out(y.reshape(h.shape[0], -1)))
+        # silu of a 16-bit z computes in fp32 and rounds once: the bits of silu(z.float()) cast back, two launches fewer
+        y = self.ssm_norm(out.to(h.dtype)) * F.silu(z)
+        return self.ffn(h, self.ssm_out(y.reshape(h.shape[0], -1)))
 
     def decode(self, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, rows: StateRows, layer: int,
                out: torch.Tensor) -> None:
