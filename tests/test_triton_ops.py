@@ -135,6 +135,7 @@ def test_small_linear(dtype, n, k):
     for other in (randn(2, k, dtype=dtype), x.float()):  # two rows; an fp32 weight below
         assert not ops.small_linear_ok(other, w)
     assert not ops.small_linear_ok(x, w.float()) and not ops.small_linear_ok(x, randn(513, k, dtype=dtype))
+    assert not ops.small_linear_ok(x, w.clone().requires_grad_()), "no backward: a trainer's weights take F.linear"
 
 
 def test_bad_shapes_are_refused():

@@ -21,7 +21,7 @@ _local = threading.local()  # captures run on the engine thread; tests may run s
 def for_graph(x: torch.Tensor) -> bool:
     """Whether work on `x` is part of a CUDA graph's step: a capture in progress on this stream, or its
     rehearsal (below)."""
-    return x.is_cuda and (getattr(_local, "depth", 0) > 0 or torch.cuda.is_current_stream_capturing())
+    return x.is_cuda and (rehearsing() or torch.cuda.is_current_stream_capturing())
 
 
 @contextlib.contextmanager

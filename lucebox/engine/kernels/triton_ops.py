@@ -278,14 +278,16 @@ if triton is not None:
 # `small_linear` takes one activation row against a dense 16-bit weight of at most these many rows and columns:
 # the shapes it was measured on. H200, CUDA graphs (2026-12-04): a Qwen3-30B-A3B router 128 x 2048 1.80 us
 # against F.linear's 4.82; Qwen3.5-35B-A3B's 256 x 2048 1.92 against 5.07, its shared-expert gate 1 x 2048 1.63
-# against 3.85 (two cuBLAS kernels). Four rows were no faster than cuBLAS (3.75 against 4.75 us): one row only.
+# against 3.85 (two cuBLAS kernels). Four rows gained less (3.75 against 4.75 us) and no more was measured: one row.
 SMALL_LINEAR_MAX = (512, 2048)
 
 
 def small_linear_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `small_linear` serves F.linear(x, weight): one row of a fused-ops device, a contiguous fp16 /
-    bf16 weight of at most SMALL_LINEAR_MAX."""
+    bf16 weight of at most SMALL_LINEAR_MAX, and no gradient wanted (the kernel has no backward)."""
     n, k = weight.shape
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return False
     return (use_kernels(x) and x.dim() == 2 and x.shape[0] == 1 and x.dtype == weight.dtype
             and weight.dtype in (torch.float16, torch.bfloat16)
             and n <= SMALL_LINEAR_MAX[0] and k <= SMALL_LINEAR_MAX[1] and weight.is_contiguous())
