@@ -158,7 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: lazily, which is quicker for one prompt)")
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("bench", help="benchmarks (decode, qmm, moe, serve, agent, spec, cache, pflash, spark)")
+    p = sub.add_parser("bench", help="benchmarks (decode, qmm, moe, serve, agent, spec, spec-cost, cache, pflash, "
+                                     "spark)")
     bench = p.add_subparsers(dest="bench", required=True)
     b = bench.add_parser("decode", help="prefill and decode tok/s, this engine vs transformers")
     add_engine_args(b)
@@ -242,6 +243,21 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--data-dir", type=Path, default=None, help="data folder (default: lucebox/data)")
     b.add_argument("--json", type=Path, default=Path("bench_spec.json"), help="where to write the results")
     b.set_defaults(func=_lazy("lucebox.bench.spec", "main"))
+    b = bench.add_parser("spec-cost", help="a speculative step's time against a plain one (chain, DDTree), on any "
+                         "model or random --shape, and the speedup it projects at given acceptance lengths")
+    add_engine_args(b)
+    b.add_argument("--shape", default=None, help="bench a random-weight GGUF of this shape (as bench decode: "
+                   "qwen3-8b, qwen3.5-27b, ...) with --model's tokenizer")
+    b.add_argument("--mix", default="Q4_K_M", help="--shape's quant mix (as bench decode)")
+    b.add_argument("--draft", default=None, help="a drafter folder (default: a random drafter of --draft-layers)")
+    b.add_argument("--draft-layers", type=int, default=5, help="the random drafter's layers (default 5)")
+    b.add_argument("--block", type=int, default=16, help="the random drafter's block: chain rows verified (16)")
+    b.add_argument("--budgets", default="22", help="DDTree budgets (default 22: 23 rows verified)")
+    b.add_argument("--batch-sizes", default="1", help="decode batch sizes (default 1)")
+    b.add_argument("--steps", type=int, default=8, help="timed steps per mode (default 8)")
+    b.add_argument("--taus", default="6,7,8", help="acceptance lengths to project the speedup at (default 6,7,8)")
+    b.add_argument("--json", type=Path, default=Path("bench_spec_cost.json"), help="where to write the results")
+    b.set_defaults(func=_lazy("lucebox.bench.spec_cost", "main"))
 
     b = bench.add_parser("cache", help="prefix cache on replayed agent sessions: TTFT per turn, per tier, restart")
     add_engine_args(b)

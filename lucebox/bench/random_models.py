@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from lucebox.errors import LuceboxError
+
 # Per type, from gguf/quants.py: (offset of the fp16 scale d, offset of the fp16 min/dmin field or None, the
 # min/d ratio that centres the values). Q4_1/Q5_1 add m (centred at m = ratio * d); K types subtract dmin * m.
 _SCALE_FIELDS = {"Q4_0": (0, None, 0.0), "Q4_1": (0, 2, -7.5), "Q5_0": (0, None, 0.0), "Q5_1": (0, 2, -15.5),
@@ -109,7 +111,8 @@ def add_tokenizer(w: Any, tokenizer_gguf: Path, vocab: int | None = None) -> int
     fields = {k: f for k, f in reader.fields.items() if k.startswith("tokenizer.")}
     n_tokens = len(fields["tokenizer.ggml.tokens"].contents())
     if vocab is not None and vocab < n_tokens:
-        raise ValueError(f"{tokenizer_gguf} has {n_tokens} tokens, more than the shape's vocab of {vocab}")
+        raise LuceboxError(f"{tokenizer_gguf} has {n_tokens:,} tokens, more than the shape's vocabulary of "
+                           f"{vocab:,}: give --model a tokenizer of at most that many")
     pad = range(n_tokens, vocab if vocab is not None else n_tokens)
     fill = {"tokenizer.ggml.tokens": [f"[PAD{i}]" for i in pad],
             "tokenizer.ggml.token_type": [int(gguf.TokenType.UNUSED)] * len(pad),

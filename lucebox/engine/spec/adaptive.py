@@ -145,12 +145,12 @@ class AdaptiveSpec:
                 "plain_sequences": s.plain_now}
 
 
-def measure_cost_ratio(engine: LLMEngine, batches: tuple[int, ...] = (1, 4, 16, 64), steps: int = 8,
-                       prompt_len: int = 32) -> CostRatio:
-    """r by decode batch, timed through the engine's own steps (its CUDA graphs captured already): `steps`
-    decode steps of `batch` short requests decoding plainly, then the same speculating. The engine must be
-    idle; the prefix cache is detached meanwhile and the counters the requests moved are put back. Batches
-    beyond --max-num-seqs or the KV pool are left out (the nearest measured one stands in for them)."""
+def time_steps(engine: LLMEngine, batches: tuple[int, ...] = (1, 4, 16, 64), steps: int = 8,
+               prompt_len: int = 32) -> dict[int, tuple[float, float]]:
+    """{batch: (plain step seconds, speculative step seconds)}, timed through the engine's own steps (its CUDA
+    graphs captured already, or captured in an untimed step): `steps` decode steps of `batch` short requests
+    decoding plainly, then the same speculating. The engine must be idle; the prefix cache is detached meanwhile
+    and the counters the requests moved are put back. Batches beyond --max-num-seqs or the KV pool are left out."""
     assert engine.spec is not None and engine.adaptive is not None and not engine.has_work()
     adaptive, spec, sched = engine.adaptive, engine.spec, engine.scheduler
     vocab, rows = engine.model_config.vocab_size, spec.rows_per_step
@@ -161,7 +161,7 @@ def measure_cost_ratio(engine: LLMEngine, batches: tuple[int, ...] = (1, 4, 16, 
     stats = spec.stats
     saved = (sched.num_preemptions, stats.steps, stats.committed, stats.drafted, adaptive.enabled,
              replace(adaptive.stats))
-    ratios: dict[int, float] = {}
+    times: dict[int, tuple[float, float]] = {}
     try:
         for b in sizes:
             seconds = {}
@@ -188,11 +188,18 @@ def measure_cost_ratio(engine: LLMEngine, batches: tuple[int, ...] = (1, 4, 16, 
                 finally:
                     for s in seqs:
                         engine.abort(s)
-            ratios[b] = seconds["spec"] / seconds["plain"]
+            times[b] = (seconds["plain"], seconds["spec"])
     finally:
         sched.cache = engine.cache = cache
         sched.num_preemptions, stats.steps, stats.committed, stats.drafted = saved[:4]
         adaptive.enabled, adaptive.stats = saved[4], saved[5]
+    return times
+
+
+def measure_cost_ratio(engine: LLMEngine, batches: tuple[int, ...] = (1, 4, 16, 64), steps: int = 8,
+                       prompt_len: int = 32) -> CostRatio:
+    """r by decode batch from `time_steps` (the nearest measured batch stands in for those left out)."""
+    ratios = {b: spec / plain for b, (plain, spec) in time_steps(engine, batches, steps, prompt_len).items()}
     if not ratios:
         log.warning("speculation cost ratio: no batch fits the KV pool to measure it; %.2f", DEFAULT_COST_RATIO)
         return CostRatio()

@@ -270,9 +270,16 @@ def load_drafter(folder: Path, target: ModelConfig, device: torch.device | str,
     for name, want in expected.items():
         if tuple(state[name].shape) != tuple(want.shape):
             raise ModelFileError(f"{where}: {name} has shape {tuple(state[name].shape)}, expected {tuple(want.shape)}")
-    tensors = {k: (state[k].float() if k.endswith("norm.weight") else state[k].to(dtype)).to(device)
-               for k in expected}
-    model.load_state_dict(tensors, assign=True, strict=True)
+    model.load_state_dict({k: state[k] for k in expected}, assign=True, strict=True)
+    return ready(model, device, dtype)
+
+
+def ready(model: DFlashDrafter, device: torch.device | str, dtype: torch.dtype) -> DFlashDrafter:
+    """The drafter for inference on `device`: its norms in fp32 (as the target's), every other weight in
+    `dtype`, its rotary table built, no gradients."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.data = p.data.to(device=device, dtype=torch.float32 if name.endswith("norm.weight") else dtype)
     model.init_rotary(device)
     return model.eval().requires_grad_(False)
 
