@@ -10,11 +10,13 @@ so acceptance, partial rejection and tree branches all happen. Prefill chunks ru
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
+from lucebox.engine.kernels import triton_deltanet
 from lucebox.engine.runtime.llm_engine import EngineConfig, LLMEngine
 from lucebox.engine.runtime.sampler import SamplingParams
 from lucebox.engine.runtime.sequence import Chunk
@@ -22,6 +24,10 @@ from lucebox.engine.spec.dflash import SpecDecoder
 from lucebox.engine.spec.drafter import DFlashDrafter, drafter_config_for, save_drafter
 from lucebox.engine.weights.loader import read_model_config
 from tests.fixtures.tiny_models import write_tiny_qwen35_gguf
+
+needs_kernels = pytest.mark.skipif(
+    triton_deltanet.triton is None or (not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"),
+    reason="needs triton on CUDA, or TRITON_INTERPRET=1 on the CPU")
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -96,10 +102,17 @@ def test_random_drafter_equals_plain(files, plain, arch: str, ddtree: bool) -> N
     assert e.kv.states.num_free == e.kv.states.num_slots and not e.kv.states.verified
 
 
+@pytest.mark.parametrize("kernels", [False, pytest.param(True, marks=needs_kernels)], ids=["torch", "kernels"])
 @pytest.mark.parametrize("ddtree", [False, True], ids=["chain", "ddtree"])
-def test_rollback_after_partial_acceptance(files, plain, ddtree: bool) -> None:
+def test_rollback_after_partial_acceptance(files, plain, ddtree: bool, kernels: bool,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """Drafts accepted in part: the state after the last accepted row (node) is kept, the rejected rows'
-    dropped, so decoding goes on as plain decoding does."""
+    dropped, so decoding goes on as plain decoding does; also with the DeltaNet kernels (on the CPU under
+    Triton's interpreter), the verifications' rows in one launch a layer."""
+    if kernels:
+        monkeypatch.setattr(triton_deltanet, "ENABLED", True)
+        monkeypatch.setattr(triton_deltanet, "TREE_ENABLED", True)
+        monkeypatch.setattr(triton_deltanet, "ON_CPU", True)
     e = engine(files["qwen35"], draft=str(files["drafter"]), ddtree=ddtree, ddtree_budget=9)
     knowing = KnowingDrafter(e.spec.drafter, e.loaded.model, e.kv, ddtree=ddtree, budget=9, dtype=e.loaded.dtype)
     knowing.answers = {tuple(p): out for p, out in zip(PROMPTS, plain["qwen35"])}

@@ -125,6 +125,75 @@ def test_chunk_scan_matches_torch(monkeypatch: pytest.MonkeyPatch, heads: int, k
 
 
 @needs_kernel
+@pytest.mark.parametrize("parents", [[-1, 0, 1, 2, 3, 4], [-1, 0, 0, 1, 1, 2, 4, 6, -1, 8]], ids=["chain", "tree"])
+def test_tree_step_matches_torch(parents: list[int]) -> None:
+    """A verification's rows in one launch (tree_step) against the torch recurrence row by row, each from its
+    parent's state (or the slot's): every row's output and state. Off the kernel's blocks: 12 key dims (16), 40
+    value columns (two blocks of 32); alpha and beta as strided views of wider tensors; a second root row."""
+    from lucebox.engine.models.qwen35 import recurrent_gated_delta_step
+
+    gen = torch.Generator().manual_seed(len(parents))
+    n, H, DK, DV = len(parents), 3, 12, 40
+    q, k = (torch.nn.functional.normalize(torch.randn(n, H, DK, generator=gen), dim=-1).to(DEVICE) for _ in range(2))
+    v = torch.randn(n, H, DV, generator=gen).to(DEVICE)
+    alpha, beta = (torch.randn(n, 2 * H, generator=gen).to(DEVICE)[:, :H] for _ in range(2))
+    ssm_a, dt_bias = (-torch.rand(H, generator=gen).exp()).to(DEVICE), torch.randn(H, generator=gen).to(DEVICE)
+    s0 = torch.randn(H, DK, DV, generator=gen).to(DEVICE)
+    g = ssm_a * torch.nn.functional.softplus(alpha + dt_bias)
+    ref_states, ref_out = [s0], []
+    for r, p in enumerate(parents):
+        o, st = recurrent_gated_delta_step(q[r:r + 1], k[r:r + 1], v[r:r + 1], g[r:r + 1], torch.sigmoid(beta[r:r + 1]),
+                                           ref_states[p + 1][None])
+        ref_out.append(o[0])
+        ref_states.append(st[0])
+    states = torch.empty(n + 1, H, DK, DV, device=DEVICE)
+    states[0] = s0
+    out = torch.empty(n, H, DV, device=DEVICE)
+    pids = torch.tensor([p + 1 for p in parents], dtype=torch.int32, device=DEVICE)
+    triton_deltanet.tree_step(q, k, v, alpha, beta, ssm_a, dt_bias, pids, states, out)
+    torch.testing.assert_close(out, torch.stack(ref_out), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(states, torch.stack(ref_states), rtol=1e-5, atol=1e-5)
+    assert torch.equal(states[0], s0)
+
+
+@needs_kernel
+@pytest.mark.parametrize("ddtree", [False, True], ids=["chain", "ddtree"])
+def test_engine_verification_kernel_gives_plain_tokens(tmp_path, monkeypatch: pytest.MonkeyPatch,
+                                                       ddtree: bool) -> None:
+    """The tiny qwen35 (fp32) speculating with a random drafter, its verifications' delta rule in the kernel
+    (one launch a linear layer a verification), gives plain decoding's greedy tokens."""
+    pytest.importorskip("transformers")
+    from lucebox.engine.runtime.llm_engine import EngineConfig, LLMEngine
+    from lucebox.engine.runtime.sampler import SamplingParams
+    from lucebox.engine.spec.drafter import DFlashDrafter, drafter_config_for, save_drafter
+    from lucebox.engine.weights.loader import read_model_config
+    from tests.fixtures.tiny_models import write_tiny_qwen35_gguf
+
+    path = write_tiny_qwen35_gguf(tmp_path / "tiny.gguf")
+    cfg = read_model_config(path)
+    dcfg = drafter_config_for(cfg, layers=1, block_size=5, mask_token_id=cfg.vocab_size - 1)
+    save_drafter(DFlashDrafter.random(dcfg, seed=0, std=0.2), tmp_path / "drafter")
+    prompts = [[(7 * i + 3) % 300 + 3 for i in range(11)], [(5 * i + 1) % 300 + 3 for i in range(6)]]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+    def tokens(**kw) -> list[list[int]]:
+        config = EngineConfig(device=DEVICE, dtype="float32", kv_tokens=512, max_step_tokens=32, cuda_graphs=False,
+                              **kw)
+        return LLMEngine.from_path(path, config, quiet=True).generate(prompts, params)
+
+    monkeypatch.setattr(triton_deltanet, "ENABLED", False)
+    plain = tokens()
+    calls = []
+    kernel = triton_deltanet.tree_step
+    monkeypatch.setattr(triton_deltanet, "tree_step", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+    monkeypatch.setattr(triton_deltanet, "ENABLED", True)
+    monkeypatch.setattr(triton_deltanet, "TREE_ENABLED", True)
+    monkeypatch.setattr(triton_deltanet, "ON_CPU", True)
+    assert tokens(draft=str(tmp_path / "drafter"), ddtree=ddtree, ddtree_budget=6, spec_adaptive=False) == plain
+    assert len(calls) >= 4 * 2  # 4 linear layers x at least 2 verifications
+
+
+@needs_kernel
 def test_engine_kernel_path_gives_torch_tokens(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The tiny qwen35 (fp32) decoding two prompts together through the kernels gives the torch path's greedy
     tokens; the kernels ran for every linear layer of every decode step."""

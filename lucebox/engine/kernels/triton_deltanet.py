@@ -20,8 +20,11 @@ shapes from the inputs: safe inside CUDA graph capture. fp32 throughout, like th
 
 Prefill: `_scan_kernel` (`chunk_scan`) is the sequential part of the chunked (WY) form of
 models/qwen35.py's `chunk_gated_delta`, its pass over the 64-row blocks, in one launch per piece instead of
-four matmuls per block from Python; the blocks' triangular solves before it stay batched torch (cuBLAS), as
-do verification rows (a few depths of the recurrent step). Tests: tests/test_triton_deltanet.py (CUDA, or
+four matmuls per block from Python; the blocks' triangular solves before it stay batched torch (cuBLAS).
+
+Speculative verification: `_tree_kernel` (`tree_step`) runs a chain's or a DDTree's rows one after another in
+one launch, each from its parent row's state, keeping every row's state for the acceptance (the torch path
+runs one batched recurrent step per depth). Tests: tests/test_triton_deltanet.py (CUDA, or
 the CPU under TRITON_INTERPRET=1).
 """
 
@@ -40,6 +43,9 @@ except ImportError:  # CPU-only installs: the torch path
 # On by default since tests/test_triton_deltanet.py passed on the H200 (2026-12-02);
 # LUCEBOX_DELTANET_KERNEL=0 falls back to the plain-torch recurrence (a check, never faster).
 ENABLED = os.environ.get("LUCEBOX_DELTANET_KERNEL", "1") == "1"
+# The verification kernel (`tree_step`): off by default until it has run on a GPU (it passes its tests on the
+# CPU under Triton's interpreter); LUCEBOX_DELTANET_TREE_KERNEL=1 turns it on.
+TREE_ENABLED = os.environ.get("LUCEBOX_DELTANET_TREE_KERNEL", "0") == "1"
 # Tests only: run the kernels on CPU tensors too (requires TRITON_INTERPRET=1, Triton's interpreter).
 ON_CPU = False
 
@@ -47,6 +53,11 @@ ON_CPU = False
 def use_kernel(x: torch.Tensor) -> bool:
     """Whether the decode rows of activations `x` take the kernels."""
     return ENABLED and triton is not None and (x.is_cuda or (ON_CPU and x.device.type == "cpu"))
+
+
+def use_tree_kernel(x: torch.Tensor) -> bool:
+    """Whether a verification's rows of activations `x` take `tree_step`."""
+    return TREE_ENABLED and use_kernel(x)
 
 
 if triton is not None:
@@ -115,6 +126,35 @@ if triton is not None:
         tl.store(OUT + row * stride_o + h * DV + dv, tl.sum(s * q[:, None], 0), mask=v_mask)
 
 
+    @triton.jit(do_not_specialize=["n"])  # one compile for every tree size
+    def _tree_kernel(Q, K, V, ALPHA, BETA, A, DT_BIAS, PARENT, STATES, OUT, n, stride_a, stride_b,
+                     H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+        """Value head program_id(0), value columns block program_id(1): a verification's n rows in order, row r
+        from the state its parent left (STATES[PARENT[r]]) into STATES[r + 1], its output into OUT[r]; the
+        decay, beta and update exactly as `_delta_kernel` computes them."""
+        h = tl.program_id(0).to(tl.int64)
+        dk = tl.arange(0, BK)
+        dv = tl.program_id(1) * BV + tl.arange(0, BV)
+        k_mask, v_mask = dk < DK, dv < DV
+        at = h * DK * DV + dk[:, None] * DV + dv[None, :]
+        mask = k_mask[:, None] & v_mask[None, :]
+        a, dt = tl.load(A + h), tl.load(DT_BIAS + h)
+        for r in range(n):
+            s = tl.load(STATES + tl.load(PARENT + r).to(tl.int64) * H * DK * DV + at, mask=mask, other=0.0)
+            row = r * H + h
+            q = tl.load(Q + row * DK + dk, mask=k_mask, other=0.0)
+            k = tl.load(K + row * DK + dk, mask=k_mask, other=0.0)
+            v = tl.load(V + row * DV + dv, mask=v_mask, other=0.0)
+            z = tl.load(ALPHA + r * stride_a + h) + dt
+            softplus = tl.where(z > 20.0, z, tl.log(1.0 + tl.exp(tl.minimum(z, 20.0))))  # torch's threshold
+            beta = tl.sigmoid(tl.load(BETA + r * stride_b + h))
+            s = s * tl.exp(a * softplus)
+            delta = (v - tl.sum(s * k[:, None], 0)) * beta
+            s = s + k[:, None] * delta[None, :]
+            tl.store(STATES + (r + 1) * H * DK * DV + at, s, mask=mask)
+            tl.store(OUT + row * DV + dv, tl.sum(s * q[:, None], 0), mask=v_mask)
+            tl.debug_barrier()  # a later row may read this state back as its parent's
+
     @triton.jit(do_not_specialize=["n"])  # one compile for every block count
     def _scan_kernel(U, W, QD, ATTN, KD, BLOCK_DECAY, S, OUT, n, C: tl.constexpr, DK: tl.constexpr,
                      DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
@@ -163,6 +203,25 @@ def chunk_scan(u: torch.Tensor, w: torch.Tensor, q_decayed: torch.Tensor, attn: 
     _scan_kernel[(H, triton.cdiv(DV, BV))](*args, state, out, n, C=C, DK=DK, DV=DV, BK=BK, BV=BV, num_warps=8,
                                            num_stages=1)
     return out, state
+
+
+def tree_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor,
+              ssm_a: torch.Tensor, dt_bias: torch.Tensor, parents: torch.Tensor, states: torch.Tensor,
+              out: torch.Tensor) -> None:
+    """A speculative verification's n rows of one linear layer in one launch (the torch path is one batched
+    recurrent step per depth, ~10 launches each): q, k [n, v_heads, k_dim] (normed, tiled over the value
+    heads), v [n, v_heads, v_dim], alpha and beta [n, v_heads] (the projections before softplus and sigmoid),
+    ssm_a and dt_bias [v_heads], parents [n] (row r's parent state: 0 the slot's, 1 + p after row p < r), all
+    fp32; states [n + 1, v_heads, k_dim, v_dim] holding the slot's state at 0 receives each row's state
+    after it; out [n, v_heads, v_dim] its outputs."""
+    n, H, DK = q.shape
+    DV = v.shape[-1]
+    assert states.shape == (n + 1, H, DK, DV) and states.is_contiguous() and out.is_contiguous()
+    assert alpha.stride(-1) == 1 and beta.stride(-1) == 1
+    BV = min(32, triton.next_power_of_2(DV))
+    _tree_kernel[(H, triton.cdiv(DV, BV))](
+        q.contiguous(), k.contiguous(), v.contiguous(), alpha, beta, ssm_a, dt_bias, parents, states, out, n,
+        alpha.stride(0), beta.stride(0), H=H, DK=DK, DV=DV, BK=triton.next_power_of_2(DK), BV=BV)
 
 
 def decode_step(mixed: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor, conv_weight: torch.Tensor,

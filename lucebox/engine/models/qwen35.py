@@ -28,9 +28,10 @@ one-row decodes run one batched recurrent update; a speculative verification (a 
 its rows one depth at a time, each from its parent row's state (conv windows along the row's ancestors),
 and keeps every row's state for the acceptance. fp32 states. The step's decoding rows take two fused Triton
 kernels on CUDA (kernels/triton_deltanet.py: conv, norms, gate and delta rule on the slots themselves, so a
-decode step is capturable in a CUDA graph, runtime/cuda_graphs.py) and the chunked form's pass over its
-blocks is one kernel too; the rest of prefill and verification stay torch, and plain torch everywhere is the
-CPU path and the reference.
+decode step is capturable in a CUDA graph, runtime/cuda_graphs.py); the chunked form's pass over its
+blocks is one kernel too, and so can be a verification's delta rule over all its rows (one launch a layer,
+not one step a depth; LUCEBOX_DELTANET_TREE_KERNEL=1 until it has run on a GPU); the rest of prefill and
+verification stay torch, and plain torch everywhere is the CPU path and the reference.
 """
 
 from __future__ import annotations
@@ -164,10 +165,14 @@ class DeltaNetBlock(_Block):
                 q, k, v = self._qkv(F.silu((ext * weight[:, None, :]).sum(-1)).T)
                 states = torch.empty(n + 1, *ssm.shape[1:], dtype=torch.float32, device=h.device)
                 states[0] = ssm[0]
-                for r, parents in levels:  # one batched recurrent step per depth
-                    at = start + r
-                    out[at], states[r + 1] = recurrent_gated_delta_step(q[r], k[r], v[r], g[at], beta[at],
-                                                                        states[parents])
+                if triton_deltanet.use_tree_kernel(q):  # every row in one launch
+                    triton_deltanet.tree_step(q, k, v, a[start:start + n], b[start:start + n], self.ssm_a,
+                                              self.ssm_dt.bias, rows.tree_parents(i), states, out[start:start + n])
+                else:
+                    for r, parents in levels:  # one batched recurrent step per depth
+                        at = start + r
+                        out[at], states[r + 1] = recurrent_gated_delta_step(q[r], k[r], v[r], g[at], beta[at],
+                                                                            states[parents])
                 rows.stage_verified(layer, slot, ext[..., 1:].transpose(0, 1), states[1:])
                 continue
             if position == 0:  # transformers' zero left padding, and an empty state

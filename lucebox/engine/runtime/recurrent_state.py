@@ -179,6 +179,7 @@ class StateRows:
     _verified: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict, repr=False)
     _trees: dict[int, tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]] = field(default_factory=dict,
                                                                                           repr=False)
+    _parents: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
     _rows: torch.Tensor | None = field(default=None, repr=False)  # arange(n_decode): the staged buffers' rows
 
     def __post_init__(self) -> None:
@@ -211,6 +212,15 @@ class StateRows:
                               [(torch.tensor(rows, device=dev), torch.tensor(ps, device=dev))
                                for _, (rows, ps) in sorted(levels.items())])
         return self._trees[i]
+
+    def tree_parents(self, i: int) -> torch.Tensor:
+        """Verification chunk `i`'s parent states, int32 [rows] (0 = the slot's, 1 + p = after row p), for
+        kernels/triton_deltanet.py's `tree_step`. Built once a step."""
+        if i not in self._parents:
+            parents = self.trees[i]
+            assert parents is not None
+            self._parents[i] = torch.tensor([p + 1 for p in parents], dtype=torch.int32, device=self.slots.device)
+        return self._parents[i]
 
     def stage_verified(self, layer: int, slot: int, conv: torch.Tensor, ssm: torch.Tensor) -> None:
         """Keep the states after every row of a verification ([rows, C, K-1], [rows, Hv, Dk, Dv])."""
