@@ -66,9 +66,11 @@ def _run(args: argparse.Namespace, budgets: list[int], batches: list[int], taus:
     from lucebox.engine.spec.adaptive import time_steps
     from lucebox.engine.spec.dflash import SpecDecoder
     from lucebox.engine.spec.drafter import DFlashDrafter, drafter_config_for, load_drafter, ready
+    from lucebox.engine.weights.quant import linear as quant_linear
 
     engine = engine_from_args(args, max_num_seqs=max(batches))
     loaded, target = engine.loaded, engine.model_config
+    quant_linear.warm_up(loaded.model)  # the quantized kernels' launch configs, as the server's start-up tunes them
     if args.draft:
         drafter = load_drafter(Path(args.draft), target, engine.device, loaded.dtype)
     else:

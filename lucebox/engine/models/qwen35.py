@@ -160,7 +160,7 @@ class DeltaNetBlock(_Block):
             slots = rows.slots[nd + i: nd + i + 1]
             conv, ssm = rows.read(layer, slots)
             if rows.trees[i] is not None:  # a verification: every row from its parent's state, all kept
-                window, levels = rows.tree(i, weight.shape[-1])
+                window = rows.tree_window(i, weight.shape[-1])
                 ext = torch.cat((conv[0], mixed[start:start + n].T), dim=-1)[:, window]  # [C, n, K]
                 q, k, v = self._qkv(F.silu((ext * weight[:, None, :]).sum(-1)).T)
                 states = torch.empty(n + 1, *ssm.shape[1:], dtype=torch.float32, device=h.device)
@@ -169,7 +169,7 @@ class DeltaNetBlock(_Block):
                     triton_deltanet.tree_step(q, k, v, a[start:start + n], b[start:start + n], self.ssm_a,
                                               self.ssm_dt.bias, rows.tree_parents(i), states, out[start:start + n])
                 else:
-                    for r, parents in levels:  # one batched recurrent step per depth
+                    for r, parents in rows.tree_levels(i):  # one batched recurrent step per depth
                         at = start + r
                         out[at], states[r + 1] = recurrent_gated_delta_step(q[r], k[r], v[r], g[at], beta[at],
                                                                             states[parents])

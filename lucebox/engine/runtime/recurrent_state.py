@@ -177,8 +177,8 @@ class StateRows:
     _staged: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list, repr=False)
     _captured: list[tuple[int, StateCapture, torch.Tensor, torch.Tensor]] = field(default_factory=list, repr=False)
     _verified: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict, repr=False)
-    _trees: dict[int, tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]] = field(default_factory=dict,
-                                                                                          repr=False)
+    _windows: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+    _levels: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict, repr=False)
     _parents: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
     _rows: torch.Tensor | None = field(default=None, repr=False)  # arange(n_decode): the staged buffers' rows
 
@@ -189,38 +189,53 @@ class StateRows:
                          for _, n, start, slot in self.chunks]
         self.trees = self.trees or [None] * len(self.chunks)
 
-    def tree(self, i: int, kernel: int) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
-        """Verification chunk `i` as the DeltaNet layers run it: the conv window of each row [rows, kernel] as
-        columns of [slot conv state (kernel - 1) | the chunk's rows], and its depths, shallowest first, as
-        (rows, their parents) with states indexed 0 = the slot's, 1 + r = after row r. Built once a step."""
-        if i not in self._trees:
-            parents = self.trees[i]
-            assert parents is not None
-            window, depth, levels = [], [], {}
-            for r, p in enumerate(parents):
-                depth.append(0 if p < 0 else depth[p] + 1)
-                levels.setdefault(depth[r], ([], []))
-                levels[depth[r]][0].append(r)
-                levels[depth[r]][1].append(p + 1)
+    def tree_window(self, i: int, kernel: int) -> torch.Tensor:
+        """Verification chunk `i`'s conv window of each row [rows, kernel] as the DeltaNet layers read it: columns
+        of [slot conv state (kernel - 1) | the chunk's rows], the row's ancestors and then the slot's inputs.
+        Built once a step."""
+        if i not in self._windows:
+            parents, depth = self._tree(i)
+            window = []
+            for r in range(len(parents)):
                 cols, a = [], r
                 for m in range(kernel):  # the input m positions back: an ancestor row, else the slot's conv
                     cols.append(kernel - 1 + a if a >= 0 else kernel - 1 + depth[r] - m)
                     a = parents[a] if a >= 0 else -1
                 window.append(cols[::-1])
+            self._windows[i] = torch.tensor(window, device=self.slots.device)
+        return self._windows[i]
+
+    def tree_levels(self, i: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Verification chunk `i`'s depths, shallowest first, as (rows, their parents) with states indexed 0 = the
+        slot's, 1 + r = after row r: the torch recurrence's batches. Built once a step."""
+        if i not in self._levels:
+            parents, depth = self._tree(i)
+            levels: dict[int, tuple[list[int], list[int]]] = {}
+            for r, p in enumerate(parents):
+                levels.setdefault(depth[r], ([], []))
+                levels[depth[r]][0].append(r)
+                levels[depth[r]][1].append(p + 1)
             dev = self.slots.device
-            self._trees[i] = (torch.tensor(window, device=dev),
-                              [(torch.tensor(rows, device=dev), torch.tensor(ps, device=dev))
-                               for _, (rows, ps) in sorted(levels.items())])
-        return self._trees[i]
+            self._levels[i] = [(torch.tensor(rows, device=dev), torch.tensor(ps, device=dev))
+                               for _, (rows, ps) in sorted(levels.items())]
+        return self._levels[i]
 
     def tree_parents(self, i: int) -> torch.Tensor:
         """Verification chunk `i`'s parent states, int32 [rows] (0 = the slot's, 1 + p = after row p), for
         kernels/triton_deltanet.py's `tree_step`. Built once a step."""
         if i not in self._parents:
-            parents = self.trees[i]
-            assert parents is not None
+            parents, _ = self._tree(i)
             self._parents[i] = torch.tensor([p + 1 for p in parents], dtype=torch.int32, device=self.slots.device)
         return self._parents[i]
+
+    def _tree(self, i: int) -> tuple[list[int], list[int]]:
+        """Chunk `i`'s row parents (a parent before its child) and the rows' depths."""
+        parents = self.trees[i]
+        assert parents is not None
+        depth: list[int] = []
+        for p in parents:
+            depth.append(0 if p < 0 else depth[p] + 1)
+        return parents, depth
 
     def stage_verified(self, layer: int, slot: int, conv: torch.Tensor, ssm: torch.Tensor) -> None:
         """Keep the states after every row of a verification ([rows, C, K-1], [rows, Hv, Dk, Dv])."""
