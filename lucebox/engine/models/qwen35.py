@@ -46,7 +46,7 @@ from lucebox.engine.kernels import triton_deltanet, triton_ops
 from lucebox.engine.kernels.attention import AttentionMetadata, paged_attention
 from lucebox.engine.models.config import ModelConfig
 from lucebox.engine.models.decoder import DecoderModel, Rope
-from lucebox.engine.models.layers import Embedding, Linear, RMSNorm, apply_rotary, gated_act
+from lucebox.engine.models.layers import Embedding, Linear, RMSNorm, apply_rotary, fuse_linears, gated_act
 from lucebox.engine.models.moe import MoE
 from lucebox.engine.runtime.recurrent_state import StateRows
 
@@ -79,18 +79,27 @@ class _Block(nn.Module):
             self.ffn_up = Linear(h, f)
             self.ffn_down = Linear(f, h)
 
+    def fuse(self) -> None:
+        """Merge the dense FFN's gate and up into one matmul (`fuse_linears`: one gemv launch and one int8
+        quantization of x a block, not two; parallel/shard.py splits the fused rows as a dense decoder's)."""
+        if self.moe is None:
+            self.ffn_gate_up = fuse_linears([self.ffn_gate, self.ffn_up])
+            del self.ffn_gate, self.ffn_up
+
     def ffn(self, h: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """h' + FFN(post_attention_norm(h')) with h' = h + out, the mixer's output `out` added to the residual
-        stream `h` (on the fused-ops device in the norm's kernel: one launch fewer a block)."""
+        stream `h` (on the fused-ops device in the norm's kernel, and act(gate) * up in one kernel there)."""
         norm = self.post_attention_norm
-        if triton_ops.use_kernels(out) and not torch.is_grad_enabled():
+        fused = triton_ops.use_kernels(out) and not torch.is_grad_enabled()
+        if fused:
             x, h = triton_ops.add_rms_norm(out, h, norm.weight, norm.eps)
         else:
             h = h + out
             x = norm(h)
         if self.moe is not None:
             return h + self.moe(x)
-        return h + self.ffn_down(gated_act(self.ffn_gate(x), self.ffn_up(x)))
+        gate_up = self.ffn_gate_up(x)
+        return h + self.ffn_down(triton_ops.act_mul(gate_up, "silu") if fused else gated_act(*gate_up.chunk(2, -1)))
 
 
 class GatedAttentionBlock(_Block):
@@ -303,7 +312,9 @@ class Qwen35Model(DecoderModel):
 
     def finalize(self, device: torch.device | str, freq_factors: torch.Tensor | None = None) -> None:
         """After the weights are assigned: norms and the small DeltaNet tensors (decay rates, dt bias, conv
-        taps: what the fp32 state update reads) in fp32, rotary tables (nothing to fuse)."""
+        taps: what the fp32 state update reads) in fp32, the dense FFNs' gate|up fused, rotary tables."""
+        for block in self.blk:
+            block.fuse()
         for module in self.modules():
             if isinstance(module, RMSNorm | _Tensors):
                 for name, p in module.named_parameters(recurse=False):

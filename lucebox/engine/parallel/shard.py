@@ -204,11 +204,8 @@ def _shard_ffn(block: nn.Module, comm: Comm) -> None:
     r, n = comm.rank, comm.world
     ff = block.ffn_down.in_features
     lo, hi = r * ff // n, (r + 1) * ff // n
-    if hasattr(block, "ffn_gate_up"):  # fused (DecoderModel.finalize)
-        block.ffn_gate_up = _take_parts(block.ffn_gate_up, [torch.arange(lo, hi)] * 2, [ff, ff])
-    else:
-        block.ffn_gate, block.ffn_up = (_rows(getattr(block, name), torch.arange(lo, hi))
-                                        for name in ("ffn_gate", "ffn_up"))
+    # gate|up fused at load (DecoderModel.finalize, Qwen35Model.finalize)
+    block.ffn_gate_up = _take_parts(block.ffn_gate_up, [torch.arange(lo, hi)] * 2, [ff, ff])
     block.ffn_down = _cols(block.ffn_down, [range(lo, hi)], comm)
 
 
