@@ -18,6 +18,7 @@ import torch
 
 from lucebox.engine.runtime.llm_engine import EngineConfig, LLMEngine
 from lucebox.engine.runtime.sampler import SamplingParams
+from tests import hf_reference
 from tests.fixtures.tiny_models import ARCHS, QTYPES, transformers_gguf_kwargs
 from tests.memory import release_memory
 
@@ -47,9 +48,13 @@ def engine_for(path, **kw) -> LLMEngine:
 
 
 def hf_model(path, **kwargs):
-    m = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32, **kwargs
-    )
+    """transformers' model of GGUF `path` in fp32 (a real model file's conversion cached: tests/hf_reference.py)."""
+    if kwargs:
+        m = transformers.AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32, **kwargs
+        )
+    else:
+        m = hf_reference.causal_lm(path)
     m.generation_config.eos_token_id = None  # compare full 32-token continuations
     return m.eval()
 

@@ -32,6 +32,7 @@ from lucebox.engine.tokenizer_cache import SegmentCache
 from lucebox.engine.tokenizer_gguf import _NFC, _PRE
 from lucebox.engine.weights.gguf_file import GGUFFile
 from lucebox.errors import ModelFileError
+from tests import hf_reference
 
 DATA = Path(__file__).parent / "data"
 TRAINING_TEXT = (DATA / "tokenizer_corpus.txt").read_text(encoding="utf-8")
@@ -87,7 +88,7 @@ def gemma3(gemma3_path: Path) -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def gemma3_hf(gemma3_path: Path):
-    return AutoTokenizer.from_pretrained(gemma3_path.parent, gguf_file=gemma3_path.name)  # slow: ~40 s
+    return hf_reference.tokenizer(gemma3_path)  # converting it takes ~25 s: cached per machine
 
 
 @pytest.fixture(params=MODELS)
