@@ -10,7 +10,6 @@ so acceptance, partial rejection and tree branches all happen. Prefill chunks ru
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -24,10 +23,7 @@ from lucebox.engine.spec.dflash import SpecDecoder
 from lucebox.engine.spec.drafter import DFlashDrafter, drafter_config_for, save_drafter
 from lucebox.engine.weights.loader import read_model_config
 from tests.fixtures.tiny_models import write_tiny_qwen35_gguf
-
-needs_kernels = pytest.mark.skipif(
-    triton_deltanet.triton is None or (not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"),
-    reason="needs triton on CUDA, or TRITON_INTERPRET=1 on the CPU")
+from tests.test_triton_deltanet import needs_kernel
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -102,7 +98,7 @@ def test_random_drafter_equals_plain(files, plain, arch: str, ddtree: bool) -> N
     assert e.kv.states.num_free == e.kv.states.num_slots and not e.kv.states.verified
 
 
-@pytest.mark.parametrize("kernels", [False, pytest.param(True, marks=needs_kernels)], ids=["torch", "kernels"])
+@pytest.mark.parametrize("kernels", [False, pytest.param(True, marks=needs_kernel)], ids=["torch", "kernels"])
 @pytest.mark.parametrize("ddtree", [False, True], ids=["chain", "ddtree"])
 def test_rollback_after_partial_acceptance(files, plain, ddtree: bool, kernels: bool,
                                            monkeypatch: pytest.MonkeyPatch) -> None:

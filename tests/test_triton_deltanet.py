@@ -156,6 +156,18 @@ def test_tree_step_matches_torch(parents: list[int]) -> None:
     assert torch.equal(states[0], s0)
 
 
+def greedy_tokens(path, max_tokens: int, **config) -> list[list[int]]:
+    """The tiny qwen35 at `path` (fp32, eager) decoding two prompts together, greedy: its tokens."""
+    from lucebox.engine.runtime.llm_engine import EngineConfig, LLMEngine
+    from lucebox.engine.runtime.sampler import SamplingParams
+
+    prompts = [[(7 * i + 3) % 300 + 3 for i in range(11)], [(5 * i + 1) % 300 + 3 for i in range(6)]]
+    engine_config = EngineConfig(device=DEVICE, dtype="float32", kv_tokens=512, cuda_graphs=False,
+                                 **{"max_step_tokens": 32, **config})
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return LLMEngine.from_path(path, engine_config, quiet=True).generate(prompts, params)
+
+
 @needs_kernel
 @pytest.mark.parametrize("ddtree", [False, True], ids=["chain", "ddtree"])
 def test_engine_verification_kernel_gives_plain_tokens(tmp_path, monkeypatch: pytest.MonkeyPatch,
@@ -163,8 +175,6 @@ def test_engine_verification_kernel_gives_plain_tokens(tmp_path, monkeypatch: py
     """The tiny qwen35 (fp32) speculating with a random drafter, its verifications' delta rule in the kernel
     (one launch a linear layer a verification), gives plain decoding's greedy tokens."""
     pytest.importorskip("transformers")
-    from lucebox.engine.runtime.llm_engine import EngineConfig, LLMEngine
-    from lucebox.engine.runtime.sampler import SamplingParams
     from lucebox.engine.spec.drafter import DFlashDrafter, drafter_config_for, save_drafter
     from lucebox.engine.weights.loader import read_model_config
     from tests.fixtures.tiny_models import write_tiny_qwen35_gguf
@@ -173,23 +183,16 @@ def test_engine_verification_kernel_gives_plain_tokens(tmp_path, monkeypatch: py
     cfg = read_model_config(path)
     dcfg = drafter_config_for(cfg, layers=1, block_size=5, mask_token_id=cfg.vocab_size - 1)
     save_drafter(DFlashDrafter.random(dcfg, seed=0, std=0.2), tmp_path / "drafter")
-    prompts = [[(7 * i + 3) % 300 + 3 for i in range(11)], [(5 * i + 1) % 300 + 3 for i in range(6)]]
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-
-    def tokens(**kw) -> list[list[int]]:
-        config = EngineConfig(device=DEVICE, dtype="float32", kv_tokens=512, max_step_tokens=32, cuda_graphs=False,
-                              **kw)
-        return LLMEngine.from_path(path, config, quiet=True).generate(prompts, params)
-
     monkeypatch.setattr(triton_deltanet, "ENABLED", False)
-    plain = tokens()
+    plain = greedy_tokens(path, 8)
     calls = []
     kernel = triton_deltanet.tree_step
     monkeypatch.setattr(triton_deltanet, "tree_step", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
     monkeypatch.setattr(triton_deltanet, "ENABLED", True)
     monkeypatch.setattr(triton_deltanet, "TREE_ENABLED", True)
     monkeypatch.setattr(triton_deltanet, "ON_CPU", True)
-    assert tokens(draft=str(tmp_path / "drafter"), ddtree=ddtree, ddtree_budget=6, spec_adaptive=False) == plain
+    spec = dict(draft=str(tmp_path / "drafter"), ddtree=ddtree, ddtree_budget=6, spec_adaptive=False)
+    assert greedy_tokens(path, 8, **spec) == plain
     assert len(calls) >= 4 * 2  # 4 linear layers x at least 2 verifications
 
 
@@ -198,26 +201,17 @@ def test_engine_kernel_path_gives_torch_tokens(tmp_path, monkeypatch: pytest.Mon
     """The tiny qwen35 (fp32) decoding two prompts together through the kernels gives the torch path's greedy
     tokens; the kernels ran for every linear layer of every decode step."""
     pytest.importorskip("transformers")
-    from lucebox.engine.runtime.llm_engine import EngineConfig, LLMEngine
-    from lucebox.engine.runtime.sampler import SamplingParams
     from tests.fixtures.tiny_models import write_tiny_qwen35_gguf
 
     path = write_tiny_qwen35_gguf(tmp_path / "tiny.gguf")
-    prompts = [[(7 * i + 3) % 300 + 3 for i in range(11)], [(5 * i + 1) % 300 + 3 for i in range(6)]]
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-
-    def tokens() -> list[list[int]]:
-        config = EngineConfig(device=DEVICE, dtype="float32", kv_tokens=512, max_step_tokens=16, cuda_graphs=False)
-        return LLMEngine.from_path(path, config, quiet=True).generate(prompts, params)
-
     monkeypatch.setattr(triton_deltanet, "ENABLED", False)
-    eager = tokens()
+    eager = greedy_tokens(path, 6, max_step_tokens=16)  # the prompts' prefill cut across steps
     calls = []
     kernel = triton_deltanet.decode_step
     monkeypatch.setattr(triton_deltanet, "decode_step", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
     monkeypatch.setattr(triton_deltanet, "ENABLED", True)
     monkeypatch.setattr(triton_deltanet, "ON_CPU", True)
-    assert tokens() == eager
+    assert greedy_tokens(path, 6, max_step_tokens=16) == eager
     assert len(calls) >= 4 * 5  # 4 linear layers x at least 5 decode steps
 
 
