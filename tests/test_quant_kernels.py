@@ -211,11 +211,12 @@ def test_word_gemv_reads_bf16_activations_as_word_pairs(qtype: str) -> None:
 def test_warm_up_tunes_checked_configs_and_qmatmul_uses_them() -> None:
     shapes = [("Q4_K", 512, 1024), ("Q6_K", 256, 2048), ("Q2_K", 256, 256)]
     tuned = qmm.warm_up(shapes)
-    assert set(tuned) == {(kind, q, n, k) for q, n, k in shapes[:2] for kind in ("gemv", "small")}
+    assert set(tuned) == {(kind, q, n, k) for q, n, k in shapes[:2] for kind in ("gemv", "small", "wide")}
     assert all(qmm.TUNED[key] == cfg for key, cfg in tuned.items())
     for q, n, k in shapes[:2]:
+        assert tuned["wide", q, n, k] == tuned["small", q, n, k]  # the 16-row config, checked at 32 rows
         w = random_weight(q, n, k, seed=5).to("cuda")
-        for m in (1, 16):
+        for m in (1, 16, 23, 32):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             assert rel_err(qmm.qmatmul(x, w), reference(x, w)) < TOL
 
@@ -347,12 +348,12 @@ def test_warm_up_keeps_the_int8_gemv_where_it_is_faster(monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0"])
-@pytest.mark.parametrize("m", [2, 5, 16])
+@pytest.mark.parametrize("m", [2, 5, 16, 23, 32])
 @pytest.mark.parametrize("cfg", [(16, 1, 4, 1, "q8x"), (32, 1, 4, 2, "q8x")])
 def test_int8_small_batch(qtype: str, m: int, cfg) -> None:
     """The Q4_K / Q6_K / Q8_0 small-batch kernels with int8 activations (int8 tensor-core dots) equal, row by row, the
     int8-activation arithmetic in torch, and stay within bf16-like error of the exact product; split-K, bias,
-    rows not a multiple of the program's."""
+    rows not a multiple of the program's, and past 16 rows one 32-row tile (a DDTree's 23 verified rows)."""
     n, k = 40, 256 * 4
     w = random_weight(qtype, n, k, seed=13).to(DEVICE)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(DEVICE, DTYPE)  # fixed: not the global RNG

@@ -4,9 +4,10 @@ Paths, by type and the number of activation rows M (qmatmul picks):
 - Q4_K, Q6_K, Q8_0 (the types of Q4_K_M / Q6_K / Q8_0 files), rows a whole number of int32 words:
   M = 1: _gemv_words_kernel (rows read as 16-byte vectors where the layout allows, nibbles and bytes made
   fp32 by mantissa tricks, bf16 x read 4 columns per word, fp32 FMAs), or the int8-activation gemvs
-  (_gemv_*_q8x_kernel: x quantized once per call by _quant_x_kernel, 4 weights a dp4a); 2 <= M <= SMALL_BM:
-  _qmm_words_kernel (the same word loads, each bit plane fed to a bf16 tensor-core dot with all M rows) or,
-  _qmm_q4k/q6k/q80_q8x_kernel (int8 tensor-core dots with int8 x). All split
+  (_gemv_*_q8x_kernel: x quantized once per call by _quant_x_kernel, 4 weights a dp4a); 2 <= M <= SMALL_MAX:
+  _qmm_words_kernel (the same word loads, each bit plane fed to a bf16 tensor-core dot with SMALL_BM rows) or,
+  _qmm_q4k/q6k/q80_q8x_kernel (int8 tensor-core dots with int8 x, one tile of 16 or 32 rows: a DDTree's 23
+  verified rows, a decode batch of 24 or 32, read the weights once). All split
   the columns over `split` programs when that fills the GPU better (fp32 partials, then _splitk_sum_kernel:
   no atomics). The int8 gemvs also run a decode step's routed experts (MOE: one (row, expert) pair a
   program_id(2), `pair_gemv`, for triton_moe), and take rows of any whole number of blocks.
@@ -970,6 +971,9 @@ SMALL_Q8X_CANDIDATES["Q6_K"] = SMALL_Q8X_CANDIDATES["Q8_0"] = SMALL_Q8X_CANDIDAT
 Config = tuple  # (BN, NB, num_warps, split), with a fifth "q8x" for the int8-activation gemvs
 TUNED: dict[tuple[str, str, int, int], Config] = {}
 SMALL_BM = 16
+# Rows up to which the small-batch kernels serve (the int8 ones as one 32-row tile past SMALL_BM, its config the
+# 16-row one `warm_up` chose once it matched the reference at 32 rows too: TUNED["wide", ...]).
+SMALL_MAX = 2 * SMALL_BM
 X_PAIRS = True
 
 
@@ -987,7 +991,12 @@ def _word_ok(x: torch.Tensor, w: QuantWeight, out: torch.Tensor) -> bool:
     an unchecked shape keeps the older kernels rather than trust a config blindly."""
     if w.qtype not in WORD_TYPES or w.data.shape[1] % 4 or w.data.data_ptr() % 4 or out.stride(1) != 1:
         return False
-    return x.device.type != "cuda" or ("gemv" if x.shape[0] == 1 else "small", w.qtype, *w.shape) in TUNED
+    return x.device.type != "cuda" or (_kind(x.shape[0]), w.qtype, *w.shape) in TUNED
+
+
+def _kind(m: int) -> str:
+    """The word-wise kernel for m activation rows: "gemv" (1), "small" (up to SMALL_BM), "wide" (SMALL_MAX)."""
+    return "gemv" if m == 1 else "small" if m <= SMALL_BM else "wide"
 
 
 def _launch_words(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None, out: torch.Tensor,
@@ -998,7 +1007,7 @@ def _launch_words(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None, ou
     m, k = x.shape
     n = w.data.shape[0]
     n_blk = k // block
-    kind = "gemv" if m == 1 else "small"
+    kind = _kind(m)
     if cfg is None:
         cfg = TUNED.get((kind, w.qtype, n, k)) or (GEMV_DEFAULT if m == 1 else SMALL_DEFAULT)[w.qtype]
     bn, nb, warps, split, *variant = cfg  # variant ("q8x",): the int8-activation gemv
@@ -1016,11 +1025,12 @@ def _launch_words(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None, ou
     elif m == 1:
         _gemv_words_kernel[(triton.cdiv(n, bn), split)](x, w.data, b, y, n, n_blk // split, w.data.shape[1] // 4,
                                                         XBF16=X_PAIRS and x.dtype == torch.bfloat16, **common)
-    elif variant == ["q8x"]:  # 2 <= m <= SMALL_BM
+    elif variant == ["q8x"]:  # 2 <= m <= SMALL_MAX: one tile of all the rows
         kernel = {"Q4_K": _qmm_q4k_q8x_kernel, "Q6_K": _qmm_q6k_q8x_kernel, "Q8_0": _qmm_q80_q8x_kernel}[w.qtype]
         kernel[(triton.cdiv(n, bn), 1, split)](
             quantize_x(x), w.data, b, y, m, n, k, n_blk // split, w.data.shape[1] // 4, out.stride(0),
-            HAS_BIAS=bias is not None, PARTIAL=split > 1, BM=SMALL_BM, BN=bn, num_warps=warps)
+            HAS_BIAS=bias is not None, PARTIAL=split > 1, BM=SMALL_BM if m <= SMALL_BM else SMALL_MAX, BN=bn,
+            num_warps=warps)
     else:
         grid = (triton.cdiv(n, bn), triton.cdiv(m, SMALL_BM), split)
         _qmm_words_kernel[grid](x, w.data, b, y, m, n, n_blk // split, x.stride(0), out.stride(0),
@@ -1081,10 +1091,12 @@ def candidates(qtype: str, m: int) -> list[Config]:
     return SMALL_CANDIDATES + SMALL_Q8X_CANDIDATES.get(qtype, [])
 
 
-def time_candidates(x: torch.Tensor, w: QuantWeight, configs: list[Config]) -> list[tuple[Config, float]]:
+def time_candidates(x: torch.Tensor, w: QuantWeight, configs: list[Config], timing: bool = True
+                    ) -> list[tuple[Config, float]]:
     """(config, milliseconds) of each config that builds and matches the exact dequantized product (within 2%
     relative, on at most 2,048 weight rows), timed as a CUDA graph replays it, as decode runs: eager timing
-    would charge the int8 kernels' second launch (the x quantization) ~20 us of Python and never pick them."""
+    would charge the int8 kernels' second launch (the x quantization) ~20 us of Python and never pick them.
+    `timing` False: only checked (0.0 ms)."""
     from triton.testing import do_bench_cudagraph
 
     n = w.data.shape[0]
@@ -1103,7 +1115,10 @@ def time_candidates(x: torch.Tensor, w: QuantWeight, configs: list[Config]) -> l
             continue
         if ((out[:, :check].float() - ref).norm() / ref.norm()).item() > 2e-2:
             continue
-        timed.append((cfg, do_bench_cudagraph(lambda c=cfg: _launch_words(x, w, None, out, c), rep=20)))
+        if timing:
+            timed.append((cfg, do_bench_cudagraph(lambda c=cfg: _launch_words(x, w, None, out, c), rep=20)))
+        else:
+            timed.append((cfg, 0.0))
     return timed
 
 
@@ -1123,8 +1138,12 @@ def warm_up(shapes: list[tuple[str, int, int]], rows: tuple[int, ...] = (1, SMAL
         for m in rows:
             timed = time_candidates(torch.randn(m, k, device=device, dtype=dtype), w, candidates(qtype, m))
             if timed:
-                kind = "gemv" if m == 1 else "small"
+                kind = _kind(m)
                 TUNED[kind, qtype, n, k] = done[kind, qtype, n, k] = min(timed, key=lambda ct: ct[1])[0]
+        small = TUNED.get(("small", qtype, n, k))
+        if small is not None and time_candidates(torch.randn(SMALL_MAX, k, device=device, dtype=dtype), w, [small],
+                                                 timing=False):  # the same config as one 32-row tile
+            TUNED["wide", qtype, n, k] = done["wide", qtype, n, k] = small
         del w
     return done
 
@@ -1134,7 +1153,7 @@ def _launch_fused(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None, ou
     m, k = x.shape
     n = w.data.shape[0]
     b = bias if bias is not None else x
-    if m <= SMALL_BM and _word_ok(x, w, out):
+    if m <= SMALL_MAX and _word_ok(x, w, out):
         _launch_words(x, w, bias, out)
         return
     if m == 1 and w.qtype == "Q4_1" and out.stride(1) == 1:
@@ -1173,7 +1192,7 @@ def qmatmul(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
     """x [M, K] @ dequantize(w).T (+ bias) -> [M, N] in x's dtype; `out` may be a column slice of a wider
     [M, *] tensor (written through its row stride).
 
-    Fused kernels (weight bytes read once, dequantized in registers) for one row, and for up to SMALL_BM
+    Fused kernels (weight bytes read once, dequantized in registers) for one row, and for up to SMALL_MAX
     rows of the word-wise types; otherwise slices of at most SCRATCH_ELEMS weight elements are dequantized
     into a reused scratch and multiplied by cuBLAS (prefill at tensor-core speed, bounded extra memory).
     """
@@ -1187,7 +1206,7 @@ def qmatmul(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
         out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     if m == 0:  # a step with no logit rows: the int8 kernels would read row M - 1 = -1 (an illegal access)
         return out
-    if m < PREFILL_ROWS or x.device.type != "cuda" or (m <= SMALL_BM and _word_ok(x, w, out)):
+    if m < PREFILL_ROWS or x.device.type != "cuda" or (m <= SMALL_MAX and _word_ok(x, w, out)):
         _launch_fused(x, w, bias, out)
         return out
     step = max(256, SCRATCH_ELEMS // k // 256 * 256)
