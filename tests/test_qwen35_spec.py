@@ -21,9 +21,10 @@ from lucebox.engine.runtime.sampler import SamplingParams
 from lucebox.engine.runtime.sequence import Chunk
 from lucebox.engine.spec.dflash import SpecDecoder
 from lucebox.engine.spec.drafter import DFlashDrafter, drafter_config_for, save_drafter
+from lucebox.engine.spec.static import StaticSpec
 from lucebox.engine.weights.loader import read_model_config
 from tests.fixtures.tiny_models import write_tiny_qwen35_gguf
-from tests.test_triton_deltanet import needs_kernel
+from tests.test_triton_deltanet import needs_interpreter
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -86,25 +87,49 @@ class KnowingDrafter(SpecDecoder):
         return out.log_softmax(-1).to(self.device)
 
 
+class KnowingStatic(StaticSpec):
+    """StaticSpec with its drafter pass replaced by a KnowingDrafter's drafts (the rest, verification and the
+    accepted rows' bookkeeping with the hybrid's states, as served)."""
+
+    def step(self, chunks, chooser):
+        self.chunks = chunks
+        return super().step(chunks, chooser)
+
+    def _graph(self, kind: str, b: int, c: int):
+        if kind != "draft":
+            return super()._graph(kind, b, c)
+
+        def draft():
+            lp = torch.full((b, self.B - 1, self.drafter.cfg.vocab_size), -30.0)
+            lp[:len(self.chunks)] = self.spec.draft_logprobs(self.chunks)
+            return lp.argmax(-1) if self.K == 1 else tuple(lp.topk(self.K, dim=-1))
+
+        return draft
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
 @pytest.mark.parametrize("ddtree", [False, True], ids=["chain", "ddtree"])
 @pytest.mark.parametrize("arch", ["qwen35", "qwen35moe"])
-def test_random_drafter_equals_plain(files, plain, arch: str, ddtree: bool) -> None:
+def test_random_drafter_equals_plain(files, plain, arch: str, ddtree: bool, static: bool) -> None:
     """The real drafter path (drafter context from the hybrid's captured layers, proposals, verification
-    beside prefill chunks): plain decoding's tokens, every state slot given back."""
-    e = engine(files[arch], draft=str(files["drafter"]), ddtree=ddtree, ddtree_budget=9)
-    assert e.spec is not None and e.spec.static is None
+    beside prefill chunks): plain decoding's tokens, every state slot given back; also through the fixed-shape
+    steps that CUDA graphs replay (spec/static.py, run eagerly here), the states kept in its buffers."""
+    e = engine(files[arch], draft=str(files["drafter"]), ddtree=ddtree, ddtree_budget=9, spec_static=static)
+    assert e.spec is not None and (e.spec.static is not None) == static
     assert e.generate(PROMPTS, greedy()) == plain[arch]
     assert e.spec.stats.steps > 0
     assert e.kv.states.num_free == e.kv.states.num_slots and not e.kv.states.verified
 
 
-@pytest.mark.parametrize("kernels", [False, pytest.param(True, marks=needs_kernel)], ids=["torch", "kernels"])
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+@pytest.mark.parametrize("kernels", [False, pytest.param(True, marks=needs_interpreter)], ids=["torch", "kernels"])
 @pytest.mark.parametrize("ddtree", [False, True], ids=["chain", "ddtree"])
-def test_rollback_after_partial_acceptance(files, plain, ddtree: bool, kernels: bool,
+def test_rollback_after_partial_acceptance(files, plain, ddtree: bool, kernels: bool, static: bool,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """Drafts accepted in part: the state after the last accepted row (node) is kept, the rejected rows'
     dropped, so decoding goes on as plain decoding does; also with the DeltaNet kernels (on the CPU under
-    Triton's interpreter), the verifications' rows in one launch a layer."""
+    Triton's interpreter), the verifications' rows in one launch a layer, and through the fixed-shape steps
+    (the accepted row's state copied out of the kept buffers)."""
     if kernels:
         monkeypatch.setattr(triton_deltanet, "ENABLED", True)
         monkeypatch.setattr(triton_deltanet, "TREE_ENABLED", True)
@@ -113,6 +138,8 @@ def test_rollback_after_partial_acceptance(files, plain, ddtree: bool, kernels: 
     knowing = KnowingDrafter(e.spec.drafter, e.loaded.model, e.kv, ddtree=ddtree, budget=9, dtype=e.loaded.dtype)
     knowing.answers = {tuple(p): out for p, out in zip(PROMPTS, plain["qwen35"])}
     e.set_speculation(knowing)
+    if static:
+        knowing.static = KnowingStatic(knowing, e.config.max_num_seqs, e.n_ctx)
     assert e.generate(PROMPTS, greedy()) == plain["qwen35"]
     stats = knowing.stats
     assert stats.acceptance_length > (4.0 if ddtree else 2.5), stats  # drafts accepted (in trees off the chain)
@@ -155,14 +182,14 @@ def test_verification_rows_capped(files, plain, ddtree: bool) -> None:
 def test_state_budget_from_the_memory_plan() -> None:
     """The plan's rule on the Qwen3.5-27B's 149.6 MiB state: on a 24 GB card (~6 GB left after weights,
     activations and graphs) 20 slots rather than --max-num-seqs 64 (9.6 GB); a DDTree-22 verification's 23
-    rows then fit one sequence only, capped to 19 rows; an H200's ~100 GB take all 64 plainly, and the
-    sequences verifying 16-row chains that fit."""
+    rows (and the state they start from) then fit one sequence only, capped to 18 rows; an H200's ~100 GB
+    take all 64 plainly, and the sequences verifying 16-row chains that fit."""
     from lucebox.engine.runtime.memory_plan import state_slots
 
     slot, gb = int(149.6 * 2**20), 1 << 30
     assert state_slots(room=6 * gb, slot_bytes=slot, max_seqs=64) == (20, 0)
-    assert state_slots(room=6 * gb, slot_bytes=slot, max_seqs=64, verify_rows=23) == (1, 19)
+    assert state_slots(room=6 * gb, slot_bytes=slot, max_seqs=64, verify_rows=23) == (1, 18)
     assert state_slots(room=6 * gb, slot_bytes=slot, max_seqs=64, verify_rows=16) == (1, 16)
     assert state_slots(room=100 * gb, slot_bytes=slot, max_seqs=64) == (64, 0)
-    assert state_slots(room=100 * gb, slot_bytes=slot, max_seqs=64, verify_rows=16) == (20, 16)
+    assert state_slots(room=100 * gb, slot_bytes=slot, max_seqs=64, verify_rows=16) == (19, 16)
     assert state_slots(room=gb // 2, slot_bytes=slot, max_seqs=64, verify_rows=16) == (1, 0)  # no speculation

@@ -23,6 +23,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_kernel = pytest.mark.skipif(
     triton_deltanet.triton is None or (DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1"),
     reason="needs triton on CUDA, or TRITON_INTERPRET=1 on the CPU")
+# (tests that run the kernels on CPU tensors next to the CPU engine's torch path)
+needs_interpreter = pytest.mark.skipif(triton_deltanet.triton is None or os.environ.get("TRITON_INTERPRET") != "1",
+                                       reason="needs triton's interpreter (TRITON_INTERPRET=1)")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # the interpreter's numpy
 
@@ -283,4 +286,47 @@ def test_graph_decode_equals_eager(tmp_path, moe: bool, monkeypatch: pytest.Monk
     replayed, e = run(True)
     assert e.runner.graphs is not None and e.runner.graphs.graphs  # decode steps took graphs
     assert replayed == eager
+    assert e.kv.states.num_free == e.kv.states.num_slots
+
+
+@needs_cuda
+@pytest.mark.parametrize("ddtree", [False, True], ids=["chain", "ddtree"])
+def test_graph_speculation_equals_plain(tmp_path, ddtree: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA, the hybrid's speculative steps replayed as CUDA graphs (spec/static.py: the drafter pass, the
+    verification with `tree_step` keeping every row's states in fixed buffers, and the bookkeeping that writes
+    the accepted row's state to the slot) give eager plain decoding's greedy tokens, for 3 sequences of
+    different lengths that start and end at different steps; every slot is given back."""
+    pytest.importorskip("transformers")
+    from lucebox.engine.runtime import cuda_graphs
+    from lucebox.engine.runtime.llm_engine import EngineConfig, LLMEngine
+    from lucebox.engine.runtime.sampler import SamplingParams
+    from lucebox.engine.spec.drafter import DFlashDrafter, drafter_config_for, save_drafter
+    from lucebox.engine.weights.loader import read_model_config
+    from tests.fixtures.tiny_models import write_tiny_qwen35_gguf
+
+    monkeypatch.setattr(cuda_graphs, "HYBRID", True)
+    monkeypatch.setattr(triton_deltanet, "ENABLED", True)
+    monkeypatch.setattr(triton_deltanet, "TREE_ENABLED", True)
+    path = write_tiny_qwen35_gguf(tmp_path / "tiny.gguf")
+    cfg = read_model_config(path)
+    dcfg = drafter_config_for(cfg, layers=1, block_size=5, mask_token_id=cfg.vocab_size - 1)
+    save_drafter(DFlashDrafter.random(dcfg, seed=0, std=0.2), tmp_path / "drafter")
+    prompts = [[(7 * i + 3) % 300 + 3 for i in range(n)] for n in (40, 9, 23)]
+    lengths = [20, 12, 16]
+
+    def run(**spec) -> tuple[list[list[int]], LLMEngine]:
+        config = EngineConfig(device="cuda", dtype="float32", kv_tokens=1024, max_step_tokens=16, max_num_seqs=4,
+                              cuda_graphs=bool(spec), **spec)
+        e = LLMEngine.from_path(path, config, quiet=True)
+        seqs = [e.add(p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+                for p, n in zip(prompts, lengths)]
+        while e.has_work():
+            e.step()
+        return [s.output_ids for s in seqs], e
+
+    plain, _ = run()
+    spec, e = run(draft=str(tmp_path / "drafter"), ddtree=ddtree, ddtree_budget=6, spec_adaptive=False)
+    assert e.spec is not None and e.spec.static is not None
+    assert any(kind == "verify" for kind, _, _ in e.spec.static.graphs) and e.spec.stats.steps > 0
+    assert spec == plain
     assert e.kv.states.num_free == e.kv.states.num_slots

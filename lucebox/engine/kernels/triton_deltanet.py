@@ -43,9 +43,10 @@ except ImportError:  # CPU-only installs: the torch path
 # On by default since tests/test_triton_deltanet.py passed on the H200 (2026-12-02);
 # LUCEBOX_DELTANET_KERNEL=0 falls back to the plain-torch recurrence (a check, never faster).
 ENABLED = os.environ.get("LUCEBOX_DELTANET_KERNEL", "1") == "1"
-# The verification kernel (`tree_step`): off by default until it has run on a GPU (it passes its tests on the
-# CPU under Triton's interpreter); LUCEBOX_DELTANET_TREE_KERNEL=1 turns it on.
-TREE_ENABLED = os.environ.get("LUCEBOX_DELTANET_TREE_KERNEL", "0") == "1"
+# The verification kernel (`tree_step`): on since it passed its tests on the H200 and cut a 27B-shaped hybrid's
+# speculative step 2-7x (bench spec-cost, 2026-12-04); LUCEBOX_DELTANET_TREE_KERNEL=0 turns it off (the torch
+# recurrence a depth at a time, which a verification CUDA graph cannot take: spec/static.py then stays off).
+TREE_ENABLED = os.environ.get("LUCEBOX_DELTANET_TREE_KERNEL", "1") == "1"
 # Tests only: run the kernels on CPU tensors too (requires TRITON_INTERPRET=1, Triton's interpreter).
 ON_CPU = False
 

@@ -29,9 +29,9 @@ its rows one depth at a time, each from its parent row's state (conv windows alo
 and keeps every row's state for the acceptance. fp32 states. The step's decoding rows take two fused Triton
 kernels on CUDA (kernels/triton_deltanet.py: conv, norms, gate and delta rule on the slots themselves, so a
 decode step is capturable in a CUDA graph, runtime/cuda_graphs.py); the chunked form's pass over its
-blocks is one kernel too, and so can be a verification's delta rule over all its rows (one launch a layer,
-not one step a depth; LUCEBOX_DELTANET_TREE_KERNEL=1 until it has run on a GPU); the rest of prefill and
-verification stay torch, and plain torch everywhere is the CPU path and the reference.
+blocks is one kernel too, and so is a verification's delta rule over all its rows (one launch a layer, not
+one step a depth, and capturable: spec/static.py replays whole speculative steps as CUDA graphs); the rest of
+prefill and verification stay torch, and plain torch everywhere is the CPU path and the reference.
 """
 
 from __future__ import annotations
@@ -165,14 +165,14 @@ class DeltaNetBlock(_Block):
         mixed, a, b = mixed.float(), a.float(), b.float()
         beta, g = torch.sigmoid(b), self._decay(a)
         weight = self.ssm_conv1d.weight  # [conv_dim, kernel], fp32
-        for i, (start, n, position, slot) in enumerate(rows.chunks):
+        for i, (start, n, position, _slot) in enumerate(rows.chunks):
             slots = rows.slots[nd + i: nd + i + 1]
             conv, ssm = rows.read(layer, slots)
             if rows.trees[i] is not None:  # a verification: every row from its parent's state, all kept
                 window = rows.tree_window(i, weight.shape[-1])
                 ext = torch.cat((conv[0], mixed[start:start + n].T), dim=-1)[:, window]  # [C, n, K]
                 q, k, v = self._qkv(F.silu((ext * weight[:, None, :]).sum(-1)).T)
-                states = torch.empty(n + 1, *ssm.shape[1:], dtype=torch.float32, device=h.device)
+                states = rows.verify_states(layer, i, n)
                 states[0] = ssm[0]
                 if triton_deltanet.use_tree_kernel(q):  # every row in one launch
                     triton_deltanet.tree_step(q, k, v, a[start:start + n], b[start:start + n], self.ssm_a,
@@ -182,7 +182,7 @@ class DeltaNetBlock(_Block):
                         at = start + r
                         out[at], states[r + 1] = recurrent_gated_delta_step(q[r], k[r], v[r], g[at], beta[at],
                                                                             states[parents])
-                rows.stage_verified(layer, slot, ext[..., 1:].transpose(0, 1), states[1:])
+                rows.stage_verified(layer, i, ext[..., 1:].transpose(0, 1), states)
                 continue
             if position == 0:  # transformers' zero left padding, and an empty state
                 conv, ssm = torch.zeros_like(conv), torch.zeros_like(ssm)

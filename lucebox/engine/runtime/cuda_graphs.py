@@ -25,6 +25,8 @@ Padding rows write their K/V into scratch block 0 and are dropped.
 A hybrid model's decode step (models/qwen35.py) is captured the same way: the rows' recurrent state slots are
 one more part of the packed inputs (padding rows: scratch slot 0), and its Triton decode kernels
 (kernels/triton_deltanet.py) update the slots in place, which is safe since a replay cannot stop half-way.
+With speculation on, a hybrid's plain rows extend the drafter context as they go (it cannot re-run positions
+later), so its decode graphs keep the drafter's layers' outputs too (`capture`, set before the warm-up).
 The eager warm-up runs before a capture point the rows at the scratch slots (KV and state), so a capture while
 serving leaves the sequences' states as they were. They run under `graph_mode.rehearsal()`, so every layer takes
 the path the capture will take (the sync-free MoE and Spark paths) and its Triton kernels compile then, never
@@ -164,6 +166,8 @@ class CudaGraphDecoder:
         self.dev = torch.zeros(size, dtype=torch.long, device=self.device)
         self.out_logits: torch.Tensor | None = None  # [bmax, vocab], made at the first capture
         self.out_tokens = torch.zeros(b, dtype=torch.long, device=self.device)
+        self.capture: tuple[int, ...] = ()  # layers whose outputs every replay keeps (`features`)
+        self.out_features: list[torch.Tensor] = []  # [bmax, hidden] each, made at the first capture
         self.ready = False  # set by the engine's warm-up; a capture after it is counted
         self.captures_after_ready = 0
 
@@ -210,6 +214,16 @@ class CudaGraphDecoder:
         n = len(chunks)
         return g.logits[:n], g.tokens[:n]
 
+    def keep_layers(self, capture: tuple[int, ...]) -> None:
+        """Keep these layers' outputs in every replay from now on (graphs captured before are dropped)."""
+        if capture != self.capture:
+            self.capture, self.out_features = capture, []
+            self.graphs.clear()
+
+    def features(self, n: int) -> list[torch.Tensor]:
+        """The last replay's `capture` layer outputs of its first `n` rows ([n, hidden] each)."""
+        return [f[:n] for f in self.out_features]
+
     def _fill(self, chunks: list[Chunk]) -> None:
         self._turn ^= 1
         buf = self._staging[self._turn]
@@ -243,7 +257,7 @@ class CudaGraphDecoder:
         return AttentionMetadata(slots, self.page, [AttnGroup(0, batch, 1, c, tables, pos + 1, pos)], window)
 
     @torch.inference_mode()
-    def _forward(self, batch: int, c: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, batch: int, c: int) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
         ids, pos, _, _ = self._views(self.dev, batch, c)
         carry = self.dev[self.carry_at: self.carry_at + batch]
         # (read before this replay overwrites out_tokens; rows that carry nothing keep their host ids)
@@ -252,9 +266,9 @@ class CudaGraphDecoder:
         if self.states is not None:  # every row a decode; the kernels update the slots in place
             slots = self.dev[3 * self.bmax: 3 * self.bmax + batch]
             extra["state"] = StateRows(self.states, batch, slots, [], in_place=True)
-        hidden, _ = self.model(ids, pos, self.kv.data, self._meta(batch, c), **extra)
+        hidden, features = self.model(ids, pos, self.kv.data, self._meta(batch, c), capture=self.capture, **extra)
         logits = self.model.logits(hidden)
-        return logits, logits.argmax(-1)
+        return logits, logits.argmax(-1), features
 
     @torch.inference_mode()
     def _capture(self, batch: int, c: int) -> _Graph:
@@ -267,18 +281,23 @@ class CudaGraphDecoder:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream), graph_mode.rehearsal():
             for _ in range(2):  # warm-up outside the graph (kernel compilation, cuBLAS handles) on its path
-                logits, _ = self._forward(batch, c)
+                logits, _, features = self._forward(batch, c)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         if held is not None:
             part.copy_(held)
         if self.out_logits is None:
             self.out_logits = torch.zeros(self.bmax, logits.shape[-1], dtype=logits.dtype, device=self.device)
-        del logits
+        if len(self.out_features) != len(features):
+            self.out_features = [torch.zeros(self.bmax, f.shape[-1], dtype=f.dtype, device=self.device)
+                                 for f in features]
+        del logits, features
         out_logits, out_tokens = self.out_logits[:batch], self.out_tokens[:batch]
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            logits, tokens = self._forward(batch, c)
+            logits, tokens, features = self._forward(batch, c)
             out_logits.copy_(logits)
             out_tokens.copy_(tokens)
+            for out, f in zip(self.out_features, features):
+                out[:batch].copy_(f)
         log.debug("captured decode graph batch=%d ctx=%d (triton kernel: %s)", batch, c, self.use_kernel)
         return _Graph(graph, out_logits, out_tokens)

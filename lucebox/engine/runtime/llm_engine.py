@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from lucebox.engine.kernels import triton_deltanet
 from lucebox.engine.kernels.kv_quant import KV_DTYPES
 from lucebox.engine.runtime import cuda_graphs
 from lucebox.engine.runtime.ahead import Ahead
@@ -314,13 +315,25 @@ class LLMEngine:
             self.adaptive = AdaptiveSpec(self.config.spec_adaptive)
             if self._lazy_context:
                 self.scheduler.decode_start = self._decode_start
+        if self.runner.graphs is not None:  # a hybrid's plain rows feed the drafter context from the decode graphs
+            self.runner.graphs.keep_layers(spec.capture if spec is not None and not self._lazy_context else ())
         static = self.config.spec_static
-        # (not for a hybrid: its verification keeps every row's recurrent state, eagerly)
-        if spec is not None and not self.hybrid and self.runner.guard is None and (
+        if spec is not None and self._static_hybrid_ok() and self.runner.guard is None and (
                 static or (static is None and self.device.type == "cuda" and self.config.cuda_graphs)):
             from lucebox.engine.spec.static import StaticSpec
 
             spec.static = StaticSpec(spec, self.config.max_num_seqs, self.n_ctx)
+
+    def _static_hybrid_ok(self) -> bool:
+        """Whether speculation's fixed-shape steps can take this target: any but a hybrid, and a hybrid on one
+        device whose verification is capturable (on CUDA the delta rule in `tree_step`, not the torch recurrence
+        that batches a depth at a time; on the CPU nothing is captured)."""
+        if not self.hybrid:
+            return True
+        if self.config.tensor_parallel > 1:
+            return False
+        probe = torch.empty(0, device=self.device)
+        return self.device.type != "cuda" or (cuda_graphs.HYBRID and triton_deltanet.use_tree_kernel(probe))
 
     def _runs_ahead(self) -> bool:
         """Whether greedy decode steps launch one step ahead (EngineConfig.ahead, LUCEBOX_AHEAD)."""
@@ -411,7 +424,7 @@ class LLMEngine:
                 room=budget - weights - activations - graphs, slot_bytes=slot, max_seqs=cfg.max_num_seqs,
                 verify_rows=rows)
             weights += (self.state_slots + 1) * slot
-            activations += self.state_slots * self.verify_rows * slot
+            activations += self.state_slots * (self.verify_rows + 1) * slot if self.verify_rows else 0
             if self.state_slots < cfg.max_num_seqs or self.verify_rows < rows:
                 log.info("memory plan: %d recurrent state slots of %.1f MiB (--max-num-seqs %d; more sequences wait "
                          "for a slot)%s", self.state_slots, slot / 2**20, cfg.max_num_seqs,
@@ -612,9 +625,11 @@ class LLMEngine:
         self.pacer.observe(decode_rows, sum(c.n for c in chunks) - decode_rows, time.perf_counter() - t0)
         return outputs
 
-    def _plain_step(self, chunks: list[Chunk]) -> list[StepOutput]:
+    def _plain_step(self, chunks: list[Chunk], extend: bool = False) -> list[StepOutput]:
+        """A step without drafts. `extend`: decode rows of a hybrid that speculates, whose drafter context
+        follows them (`_forward_and_sample`)."""
         failed: dict[Sequence, Exception] = {}
-        sampled, tokens, logprobs = self._forward_and_sample(chunks, failed)
+        sampled, tokens, logprobs = self._forward_and_sample(chunks, failed, extend)
         outputs = [self._fail(seq, exc) for seq, exc in failed.items()]
         n_before = [len(c.seq.token_ids) for c in sampled]
         finished = set(self.scheduler.postprocess(chunks, sampled, tokens, logprobs))
@@ -622,16 +637,20 @@ class LLMEngine:
                     for c, n in zip(sampled, n_before) if c.seq not in failed]
         return outputs
 
-    def _forward_and_sample(self, chunks: list[Chunk], failed: dict[Sequence, Exception]
+    def _forward_and_sample(self, chunks: list[Chunk], failed: dict[Sequence, Exception], extend: bool = False
                             ) -> tuple[list[Chunk], list[int], list[TokenLogprobs | None]]:
         """Forward the chunks and pick each sampling chunk's token; returns (sampled chunks, tokens, logprobs).
 
-        Nothing here changes a sequence, so when the batch raises, each chunk is run again alone and
-        one that still raises goes into `failed` (its placeholder token is never used)."""
+        Nothing here changes a sequence (but, with `extend`, the drafter context of decode rows that ran: the
+        speculating hybrid's plain rows, whose drafter layers' outputs the forward pass kept), so when the batch
+        raises, each chunk is run again alone and one that still raises goes into `failed` (its placeholder
+        token is never used)."""
         try:
-            sampled, logits, argmax = self.runner.run(chunks)
+            sampled, logits, argmax, features = self.runner.run(chunks, self.spec.capture if extend else ())
             if self.on_launched is not None:
                 self.on_launched()
+            for i, c in enumerate(sampled if extend else ()):
+                self.spec.extend_context(c.seq, c.start, [f[i:i + 1] for f in features])
         except Exception as exc:  # noqa: BLE001 - isolated below, or reported for the one sequence
             if len(chunks) == 1:
                 failed[chunks[0].seq] = exc
@@ -641,7 +660,7 @@ class LLMEngine:
             all_tokens: list[int] = []
             all_lps: list[TokenLogprobs | None] = []
             for c in chunks:
-                one, toks, lps = self._forward_and_sample([c], failed)
+                one, toks, lps = self._forward_and_sample([c], failed, extend)
                 all_sampled += one
                 all_tokens += toks
                 all_lps += lps
@@ -712,8 +731,8 @@ class LLMEngine:
             if not adaptive.speculates(c.seq):
                 adaptive.plain_token(c.seq)
         lazy = self._lazy_context
-        if lazy and not drafting and not others:
-            return self._plain_step(plain)
+        if not drafting and not others:  # (a hybrid's plain rows extend the drafter context as they go)
+            return self._plain_step(plain, extend=not lazy)
         outputs = []
         failed: dict[Sequence, Exception] = {}
         if drafting and spec.static is not None:
@@ -740,8 +759,8 @@ class LLMEngine:
                     finished = self._commit_verified(c, tokens, lps)
                     outputs.append(StepOutput(c.seq, c.seq.token_ids[n_before:], finished))
                 drafting = []
-                if lazy and not others:  # the plain rows alone: the plain path (a decode graph's replay)
-                    return outputs + (self._plain_step(plain) if plain else [])
+                if not others:  # the plain rows alone: the plain path (a decode graph's replay)
+                    return outputs + (self._plain_step(plain, extend=not lazy) if plain else [])
         try:
             verify = spec.propose(drafting) if drafting else []
             result = self.runner.forward(self.runner.prepare(verify + others + plain), capture=spec.capture)

@@ -93,16 +93,17 @@ STATE_SHARE = 0.5  # a hybrid's recurrent states (slots and verification rows) t
 def state_slots(*, room: int, slot_bytes: int, max_seqs: int, verify_rows: int = 0) -> tuple[int, int]:
     """A hybrid model's (state slots, verification rows) from `room`, the bytes weights, activations and
     graphs leave: each running sequence holds one slot and, while it verifies a draft, one slot's bytes per
-    verified row (the states every row or tree node keeps until the accepted one is known). They get at
+    verified row (the states every row or tree node keeps until the accepted one is known) and one more (the
+    state the rows start from, kept beside them: spec/static.py's buffers). They get at
     most `STATE_SHARE` of the room, the rest staying for KV: as many sequences as fit, up to `max_seqs`,
     with `verify_rows` rows each (0: no speculation); where not even one such sequence fits, one sequence
     verifying fewer rows (at least 2: the last token and one draft; else 0: speculation cannot fit)."""
     share = int(room * STATE_SHARE)
-    per_seq = slot_bytes * (1 + verify_rows)
+    per_seq = slot_bytes * (2 + verify_rows if verify_rows else 1)
     slots = min(max_seqs, share // per_seq)
     if slots >= 1:
         return slots, verify_rows
-    rows = share // slot_bytes - 1
+    rows = share // slot_bytes - 2
     return 1, rows if verify_rows and rows >= 2 else 0
 
 

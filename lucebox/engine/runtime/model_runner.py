@@ -210,11 +210,23 @@ class ModelRunner:
         logits = self.model.logits(hidden[inputs.logit_rows]).float()
         return StepResult(inputs, logits, features)
 
-    def run(self, chunks: list[Chunk]) -> tuple[list[Chunk], torch.Tensor, torch.Tensor | None]:
-        """Forward the chunks; returns the chunks that sample (in logits order), their logits,
-        and their argmax tokens when a CUDA graph already computed them."""
+    def run(self, chunks: list[Chunk], capture: tuple[int, ...] = ()
+            ) -> tuple[list[Chunk], torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
+        """Forward the chunks; returns the chunks that sample (in logits order), their logits, their argmax
+        tokens when a CUDA graph already computed them, and for decode-only steps with `capture` (a hybrid's
+        plain rows beside speculation: the drafter layers, `CudaGraphDecoder.capture`) those layers' outputs,
+        a row per chunk in order."""
         decodes = [c for c in chunks if is_decode(c)]
         decode_only = bool(decodes) and len(decodes) == len(chunks)
+        if capture:
+            assert decode_only, "layer outputs are kept for decode-only steps"
+            graphs = self.graphs
+            if graphs is not None and graphs.capture == capture and self.guard is None:
+                out = graphs.run(decodes)
+                if out is not None:
+                    return decodes, out[0], out[1], graphs.features(len(decodes))
+            result = self.forward(self.prepare(chunks), capture=capture)
+            return result.inputs.order, result.logits, None, result.features
         if decode_only and self.guard is not None:  # Spark: None means run it again eagerly (below)
             # a hybrid's recurrent states move on in place: each run of the step after the first, and the eager
             # one below, starts from the states as they were before it
@@ -231,26 +243,26 @@ class ModelRunner:
 
             out = self.guard(step)
             if out is not None:
-                return decodes, out[0], out[1]
+                return decodes, out[0], out[1], []
             if runs and restore is not None:
                 restore()
         elif self.graphs is not None:
             if decode_only:
                 out = self.graphs.run(decodes)
                 if out is not None:
-                    return decodes, out[0], out[1]
+                    return decodes, out[0], out[1], []
             elif decodes and self.kv.states is None and self.guard is None:  # a hybrid's runs eagerly: if its
                 # prefill raised after the replay moved the decodes' states on, running the step again would
                 # move them twice
                 mixed = self._run_overlapped(decodes, [c for c in chunks if not is_decode(c)])
                 if mixed is not None:
-                    return mixed
+                    return (*mixed, [])
             elif self.prefill_graphs is not None:
                 prefilled = self.prefill_graphs.run(chunks)
                 if prefilled is not None:
-                    return prefilled[0], prefilled[1], None
+                    return prefilled[0], prefilled[1], None, []
         result = self.forward(self.prepare(chunks))
-        return [c for c in result.inputs.order if c.wants_logits], result.logits, None
+        return [c for c in result.inputs.order if c.wants_logits], result.logits, None, []
 
     def _decode(self, decodes: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """A decode-only step's (logits, argmax or None): the graph's replay (None: no bucket), else eagerly."""

@@ -23,10 +23,11 @@ prefill chunk that reaches the position splits its delta rule there and the comm
 the capture's host tensors (asynchronously on CUDA, ordered after the forward pass). No device memory is
 held for it beyond the step.
 
-A speculative verification (engine/spec) runs the draft's rows from the slot's state one depth at a time,
-each row (a tree node) from its parent's state, and keeps every row's state (`verified`: rows x one slot's
-bytes per verifying sequence, the verification's state budget) until `accept` writes the state of the
-last accepted row to the slot: a rejected suffix leaves no trace.
+A speculative verification (engine/spec) runs the draft's rows from the slot's state, each row (a tree node)
+from its parent's state, and keeps every row's state (`verified`: rows x one slot's bytes per verifying
+sequence, the verification's state budget) until `accept` writes the state of the last accepted row to the
+slot: a rejected suffix leaves no trace. A verification replayed as a CUDA graph (spec/static.py) keeps them
+in fixed buffers instead (`StateRows.kept`) and its graph writes the accepted row's state to the slot.
 """
 
 from __future__ import annotations
@@ -165,6 +166,11 @@ class StateRows:
     `in_place`: the decode rows' kernels (kernels/triton_deltanet.py) may write the new states into the slots
     as they go, for a forward pass that cannot raise half-way (a CUDA graph replay); otherwise they are
     staged like every other new state.
+    `fixed`, `kept` (spec/static.py's verification graphs, every chunk a verification of the same rows): each
+    chunk's conv windows [chunks, rows, kernel] and parent states [chunks, rows] (int32, `tree_parents`'
+    form) in device buffers filled before the replay, and every row's states kept in conv [linear layers,
+    chunks, rows, C, K-1] and ssm [linear layers, chunks, 1 + rows, Hv, Dk, Dv] (index 0: the slot's state)
+    instead of `RecurrentStates.verified`.
     """
 
     states: RecurrentStates
@@ -174,6 +180,8 @@ class StateRows:
     captures: list[list[tuple[int, StateCapture]]] = field(default_factory=list)
     trees: list[list[int] | None] = field(default_factory=list)
     in_place: bool = False
+    fixed: tuple[torch.Tensor, torch.Tensor] | None = None
+    kept: tuple[torch.Tensor, torch.Tensor] | None = None
     _staged: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list, repr=False)
     _captured: list[tuple[int, StateCapture, torch.Tensor, torch.Tensor]] = field(default_factory=list, repr=False)
     _verified: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict, repr=False)
@@ -193,16 +201,10 @@ class StateRows:
         """Verification chunk `i`'s conv window of each row [rows, kernel] as the DeltaNet layers read it: columns
         of [slot conv state (kernel - 1) | the chunk's rows], the row's ancestors and then the slot's inputs.
         Built once a step."""
+        if self.fixed is not None:
+            return self.fixed[0][i]
         if i not in self._windows:
-            parents, depth = self._tree(i)
-            window = []
-            for r in range(len(parents)):
-                cols, a = [], r
-                for m in range(kernel):  # the input m positions back: an ancestor row, else the slot's conv
-                    cols.append(kernel - 1 + a if a >= 0 else kernel - 1 + depth[r] - m)
-                    a = parents[a] if a >= 0 else -1
-                window.append(cols[::-1])
-            self._windows[i] = torch.tensor(window, device=self.slots.device)
+            self._windows[i] = torch.tensor(conv_windows(self._tree(i)[0], kernel), device=self.slots.device)
         return self._windows[i]
 
     def tree_levels(self, i: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -223,6 +225,8 @@ class StateRows:
     def tree_parents(self, i: int) -> torch.Tensor:
         """Verification chunk `i`'s parent states, int32 [rows] (0 = the slot's, 1 + p = after row p), for
         kernels/triton_deltanet.py's `tree_step`. Built once a step."""
+        if self.fixed is not None:
+            return self.fixed[1][i]
         if i not in self._parents:
             parents, _ = self._tree(i)
             self._parents[i] = torch.tensor([p + 1 for p in parents], dtype=torch.int32, device=self.slots.device)
@@ -232,14 +236,23 @@ class StateRows:
         """Chunk `i`'s row parents (a parent before its child) and the rows' depths."""
         parents = self.trees[i]
         assert parents is not None
-        depth: list[int] = []
-        for p in parents:
-            depth.append(0 if p < 0 else depth[p] + 1)
-        return parents, depth
+        return parents, depths(parents)
 
-    def stage_verified(self, layer: int, slot: int, conv: torch.Tensor, ssm: torch.Tensor) -> None:
-        """Keep the states after every row of a verification ([rows, C, K-1], [rows, Hv, Dk, Dv])."""
-        self._verified.setdefault(slot, []).append((conv, ssm))
+    def verify_states(self, layer: int, i: int, rows: int) -> torch.Tensor:
+        """Where verification chunk `i` of linear layer `layer` keeps its states [1 + rows, Hv, Dk, Dv]: index 0
+        the slot's, 1 + r after row r (a `kept` buffer's, or new)."""
+        if self.kept is not None:
+            return self.kept[1][layer, i]
+        ssm = self.states.ssm
+        return torch.empty(rows + 1, *ssm.shape[2:], dtype=torch.float32, device=ssm.device)
+
+    def stage_verified(self, layer: int, i: int, conv: torch.Tensor, ssm: torch.Tensor) -> None:
+        """Keep the states after every row of verification chunk `i` (conv [rows, C, K-1]; ssm from
+        `verify_states`) for the acceptance."""
+        if self.kept is not None:
+            self.kept[0][layer, i].copy_(conv)
+            return
+        self._verified.setdefault(self.chunks[i][3], []).append((conv, ssm[1:]))
 
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(conv, ssm) states of linear layer `layer` for `slots` (copies)."""
@@ -287,3 +300,24 @@ class StateRows:
         self._staged.clear()
         self._captured.clear()
         self._verified.clear()
+
+
+def depths(parents: list[int]) -> list[int]:
+    """Each row's depth in a verification tree given by its row parents (-1: the root's children)."""
+    out: list[int] = []
+    for p in parents:
+        out.append(0 if p < 0 else out[p] + 1)
+    return out
+
+
+def conv_windows(parents: list[int], kernel: int) -> list[list[int]]:
+    """Each verification row's conv window [rows][kernel] as columns of [slot conv state (kernel - 1) | the
+    chunk's rows]: the row's ancestors back from itself, then the slot's last inputs."""
+    depth, window = depths(parents), []
+    for r in range(len(parents)):
+        cols, a = [], r
+        for m in range(kernel):  # the input m positions back: an ancestor row, else the slot's conv
+            cols.append(kernel - 1 + a if a >= 0 else kernel - 1 + depth[r] - m)
+            a = parents[a] if a >= 0 else -1
+        window.append(cols[::-1])
+    return window

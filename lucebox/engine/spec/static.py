@@ -10,6 +10,13 @@ runs eagerly (the tests check it equals the dynamic path in dflash.py).
 Per step the host: fills the draft inputs → replay → reads the chain (argmax)
 or the top-K for the tree → builds the verification rows → replay → reads
 the target's choices → walks → fills the accepted rows → replay.
+
+A hybrid target (models/qwen35.py) verifies from each sequence's state slot,
+its rows' conv windows and parent states filled in buffers like the rest (the
+delta rule over all rows in one `tree_step` launch a layer on CUDA), every
+row's states kept in fixed buffers (`StateRows.kept`, the memory plan's
+verification rows), and the accepted row's state written to the slot by the
+bookkeeping graph. Its batch buckets stop at the state slots.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import torch
 from lucebox.engine.kernels import graph_mode
 from lucebox.engine.kernels.attention import AttentionMetadata, AttnGroup, pad_tables, tree_bits
 from lucebox.engine.runtime.cuda_graphs import MIN_CTX, all_buckets, batch_buckets, pick_buckets
+from lucebox.engine.runtime.recurrent_state import StateRows, conv_windows
 from lucebox.engine.runtime.sequence import Chunk
 from lucebox.engine.spec.dflash import SpecDecoder, build_tree, walk
 
@@ -69,7 +77,11 @@ class StaticSpec:
         self.target = spec.target
         self.device = spec.device
         self.page = spec.target_kv.block_size
+        self.states = spec.target_kv.states  # a hybrid's recurrent state slots, else None
         self.batches = batch_buckets(max_batch)
+        if self.states is not None:  # a verifying sequence holds a slot: buckets up to the slots, the last exactly
+            slots = self.states.num_slots  # (so every verification fits one, and the kept states the memory plan)
+            self.batches = sorted({b for b in self.batches if b < slots} | {min(slots, max_batch)})
         self.max_ctx = max(MIN_CTX, -(-max_ctx // self.page) * self.page)
         self.B = spec.block
         self.N = spec.rows_per_step
@@ -91,6 +103,18 @@ class StaticSpec:
         self.v_tree = z(b, n)  # DDTree: each row's ancestor-or-self bits within the draft
         # accepted-rows inputs
         self.e_rows, self.e_pos, self.e_dslots, self.e_src, self.e_dst = z(b, n), z(b, n), z(b, n), z(b, n), z(b, n)
+        if self.states is not None:  # a hybrid's verification: state slots, conv windows, parents, kept states
+            conv, ssm = self.states.shapes()  # [linear layers, C, K-1], [linear layers, Hv, Dk, Dv]
+            self.kernel = conv[-1] + 1
+            self.v_sslot, self.v_window = z(b), z(b, n, self.kernel)
+            self.v_parents = z(b, n, dtype=torch.int32)
+            f32 = torch.float32
+            self.kept = (torch.zeros(conv[0], b, n, *conv[1:], dtype=f32, device=dev),
+                         torch.zeros(ssm[0], b, n + 1, *ssm[1:], dtype=f32, device=dev))
+            self.e_acc = z(b)  # each sequence's last accepted row: its state becomes the slot's
+            chain = list(range(-1, n - 1))
+            self._trees: list[list[int]] = [chain] * b  # the host's parents (the CPU's torch recurrence reads them)
+            self._chain = (torch.tensor(conv_windows(chain, self.kernel)), torch.tensor(chain, dtype=torch.int32) + 1)
 
     def buckets_for(self, n: int, ctx: int) -> tuple[int, int] | None:
         return pick_buckets(self.batches, self.max_ctx, n, ctx)
@@ -150,8 +174,13 @@ class StaticSpec:
             group = AttnGroup(0, b, n, c, self.v_tables[:b], self.v_start[:b] + n, self.v_pos[:b].flatten(),
                               self.v_tree[:b].flatten() if self.spec.ddtree else None)
             meta = AttentionMetadata(self.v_slots[:b].flatten(), self.page, [group], window)
+            extra = {}
+            if self.states is not None:  # every chunk a verification of n rows from its slot's state
+                extra["state"] = StateRows(self.states, 0, self.v_sslot[:b], [(i * n, n, 1, -1) for i in range(b)],
+                                           trees=list(self._trees[:b]), fixed=(self.v_window, self.v_parents),
+                                           kept=self.kept)
             hidden, feats = self.target(self.v_ids[:b].flatten(), self.v_pos[:b].flatten(),
-                                        self.spec.target_kv.data, meta, capture=self.spec.capture)
+                                        self.spec.target_kv.data, meta, capture=self.spec.capture, **extra)
             logits = self.target.logits(hidden)
             return logits, logits.argmax(-1), feats
 
@@ -175,6 +204,10 @@ class StaticSpec:
                 kv[i, 1].index_copy_(0, slots, v)
             src, dst = self.e_src[:b].flatten(), self.e_dst[:b].flatten()
             tkv[:, :, dst] = tkv[:, :, src]
+            if self.states is not None:  # the state after each sequence's last accepted row becomes its slot's
+                seqs, acc, slots = self.kpos[:b], self.e_acc[:b], self.v_sslot[:b]
+                self.states.conv.index_copy_(1, slots, self.kept[0][:, seqs, acc])
+                self.states.ssm.index_copy_(1, slots, self.kept[1][:, seqs, acc + 1])
 
         return fn
 
@@ -186,10 +219,23 @@ class StaticSpec:
                 self.captures_after_ready += 1
                 log.warning("spec graph %s batch=%d ctx=%d captured while serving (the warm-up missed it)", *key)
             make = {"draft": self._draft_fn, "verify": self._verify_fn, "extend": self._extend_fn}[kind]
+            # The eager runs before a capture execute the body: the bookkeeping's (its moves of KV rows are not
+            # idempotent) then points at scratch slot 0 and block 0, and its inputs are put back after.
+            inputs = self._extend_inputs() if kind == "extend" and self.device.type == "cuda" else []
+            held = [t.clone() for t in inputs]
+            for t in inputs:
+                t.zero_()
             g = self.graphs[key] = _Graphed(make(b, c), self.device, self.pool, self._outs.get((kind, b)))
+            for t, h in zip(inputs, held):
+                t.copy_(h)
             self._outs.setdefault((kind, b), g.out)
             log.debug("spec graph %s batch=%d ctx=%d", kind, b, c)
         return g
+
+    def _extend_inputs(self) -> list[torch.Tensor]:
+        """The buffers the bookkeeping graph reads (besides the verification's outputs)."""
+        hybrid = [self.e_acc, self.v_sslot] if self.states is not None else []
+        return [self.e_rows, self.e_pos, self.e_dslots, self.e_src, self.e_dst, *hybrid]
 
     # ----- one step -----------------------------------------------------------
 
@@ -246,6 +292,8 @@ class StaticSpec:
             buf[:b].copy_(val)
         self.v_start[:b].copy_(_pad([ch.start for ch in chunks], b))
         self.v_tables[:b].copy_(self._tables([ch.seq.block_table for ch in chunks], b))
+        if self.states is not None:
+            self._fill_states(verify, b)
         logits, argmax, _ = self._graph("verify", b, c)()
         # 3. walk on the host, then the accepted rows' bookkeeping in one replay
         committed: list[list[int]] = []
@@ -254,6 +302,7 @@ class StaticSpec:
         e_pos = torch.zeros(b, n, dtype=torch.long)
         e_dslots = torch.zeros(b, n, dtype=torch.long)
         e_src = torch.zeros(b, n, dtype=torch.long)
+        e_acc = torch.zeros(b, dtype=torch.long)
         best = argmax[: g * n].tolist()  # the one device->host read of the step's choices
         for i, ch in enumerate(verify):
             choose = chooser(ch, logits[i * n: (i + 1) * n], best[i * n: (i + 1) * n])
@@ -270,16 +319,37 @@ class StaticSpec:
                 src[d] = tslots[r]
             e_src[i] = torch.tensor(src)
             paths.append(len(path))
+            # (a hybrid's state: forced tokens replace the verified ones, so only row 0's, the last known token's)
+            e_acc[i] = 0 if ch.seq.forced_tokens else path[-1]
         e_dst = torch.zeros(b, n, dtype=torch.long)
         e_dst[:g] = v_slots[:g]
         for buf, val in ((self.e_rows, e_rows), (self.e_pos, e_pos), (self.e_dslots, e_dslots),
                          (self.e_src, e_src), (self.e_dst, e_dst)):
             buf[:b].copy_(val)
+        if self.states is not None:
+            self.e_acc[:b].copy_(e_acc)
         self._graph("extend", b, c)()
         for ch, n_path in zip(chunks, paths):  # the sequences change only once every launch has run
             spec.record(ch.seq, ch.start, n_path)
             ch.seq.draft_len = ch.start + n_path
         return committed
+
+    def _fill_states(self, verify: list[Chunk], b: int) -> None:
+        """A hybrid's verification inputs: each chunk's state slot, conv windows and parent states (padding rows:
+        a chain from scratch slot 0)."""
+        g, n = len(verify), self.N
+        slots = torch.zeros(b, dtype=torch.long)
+        windows, parents = self._chain[0].repeat(b, 1, 1), self._chain[1].repeat(b, 1)
+        chain = list(range(-1, n - 1))
+        self._trees = [ch.parents or chain for ch in verify] + [chain] * (len(self._trees) - g)
+        for i, ch in enumerate(verify):
+            slots[i] = ch.seq.state_slot
+            if ch.parents is not None:
+                windows[i] = torch.tensor(conv_windows(ch.parents, self.kernel))
+                parents[i] = torch.tensor(ch.parents, dtype=torch.int32) + 1
+        self.v_sslot[:b].copy_(slots)
+        self.v_window[:b].copy_(windows)
+        self.v_parents[:b].copy_(parents)
 
     def _tables(self, tables: list[list[int]], b: int) -> torch.Tensor:
         return torch.from_numpy(pad_tables(tables, self.max_ctx // self.page, b))
