@@ -25,6 +25,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 from lucebox.engine.kernels import graph_mode
@@ -92,29 +93,30 @@ class StaticSpec:
         self._outs: dict[tuple[str, int], Any] = {}  # (kind, batch) -> the outputs its graphs share
         self.pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
         b, n, nb = self.batches[-1], self.N, self.max_ctx // self.page
-        dev, long = self.device, torch.long
-        z = lambda *shape, dtype=long: torch.zeros(*shape, dtype=dtype, device=dev)  # noqa: E731
+        dev = self.device
         self.kpos = torch.arange(self.max_ctx + n, device=dev)
-        # drafter inputs
-        self.d_ids, self.d_start, self.d_tables = z(b, self.B), z(b), z(b, nb)
-        # verification inputs
-        self.v_ids, self.v_pos, self.v_slots = z(b, n), z(b, n), z(b, n)
-        self.v_tables, self.v_start = z(b, nb), z(b)
-        self.v_tree = z(b, n)  # DDTree: each row's ancestor-or-self bits within the draft
-        # accepted-rows inputs
-        self.e_rows, self.e_pos, self.e_dslots, self.e_src, self.e_dst = z(b, n), z(b, n), z(b, n), z(b, n), z(b, n)
-        if self.states is not None:  # a hybrid's verification: state slots, conv windows, parents, kept states
+        # Each graph's per-sequence inputs, one packed buffer each (one host->device copy a replay).
+        # draft: the last token then mask tokens, the drafter context length, the block tables (verify's too)
+        self.draft_in = _Packed(b, {"ids": self.B, "start": 1, "tables": nb}, dev)
+        # verification: ids, positions, cache slots, DDTree ancestor-or-self bits, and a hybrid's state slot,
+        # conv windows [n, kernel] and parent states (StateRows.fixed)
+        verify = {"ids": n, "pos": n, "slots": n, "tree": n}
+        # accepted rows: drafter-context rows, positions and slots, the KV moves, and a hybrid's accepted row
+        extend = {"rows": n, "pos": n, "dslots": n, "src": n, "dst": n}
+        chain = list(range(-1, n - 1))
+        self._chain_bits = tree_bits(chain)
+        if self.states is not None:  # a hybrid's verification keeps every row's states in fixed buffers
             conv, ssm = self.states.shapes()  # [linear layers, C, K-1], [linear layers, Hv, Dk, Dv]
             self.kernel = conv[-1] + 1
-            self.v_sslot, self.v_window = z(b), z(b, n, self.kernel)
-            self.v_parents = z(b, n, dtype=torch.int32)
+            verify |= {"sslot": 1, "window": n * self.kernel, "parents": n}
+            extend |= {"sslot": 1, "acc": 1}
             f32 = torch.float32
             self.kept = (torch.zeros(conv[0], b, n, *conv[1:], dtype=f32, device=dev),
                          torch.zeros(ssm[0], b, n + 1, *ssm[1:], dtype=f32, device=dev))
-            self.e_acc = z(b)  # each sequence's last accepted row: its state becomes the slot's
-            chain = list(range(-1, n - 1))
             self._trees: list[list[int]] = [chain] * b  # the host's parents (the CPU's torch recurrence reads them)
-            self._chain = (torch.tensor(conv_windows(chain, self.kernel)), torch.tensor(chain, dtype=torch.int32) + 1)
+            self._chain_window = np.asarray(conv_windows(chain, self.kernel)).ravel()
+        self.verify_in = _Packed(b, verify, dev)
+        self.extend_in = _Packed(b, extend, dev)
 
     def buckets_for(self, n: int, ctx: int) -> tuple[int, int] | None:
         return pick_buckets(self.batches, self.max_ctx, n, ctx)
@@ -145,12 +147,12 @@ class StaticSpec:
 
         @torch.inference_mode()
         def fn() -> Any:
-            start = self.d_start[:b]
-            h = self.target.embed(self.d_ids[:b]).to(kv.dtype)
+            start = self.draft_in.view("start", b)[:, 0]
+            h = self.target.embed(self.draft_in.view("ids", b)).to(kv.dtype)
             pos = (start[:, None] + self.kpos[:B][None, :]).flatten()
             rope = d.rotary(pos, h.dtype)
             kp = self.kpos[:c]
-            tables = self.d_tables[:b]
+            tables = self.draft_in.view("tables", b)
             gather = tables[:, kp // bs] * bs + kp % bs
             ctx_ok = kp[None, :] < start[:, None]
             mask = torch.cat([ctx_ok, torch.ones(b, B, dtype=torch.bool, device=self.device)], 1)[:, None, None, :]
@@ -171,16 +173,19 @@ class StaticSpec:
 
         @torch.inference_mode()
         def fn() -> Any:
-            group = AttnGroup(0, b, n, c, self.v_tables[:b], self.v_start[:b] + n, self.v_pos[:b].flatten(),
-                              self.v_tree[:b].flatten() if self.spec.ddtree else None)
-            meta = AttentionMetadata(self.v_slots[:b].flatten(), self.page, [group], window)
+            v = self.verify_in
+            pos = v.view("pos", b).flatten()
+            group = AttnGroup(0, b, n, c, self.draft_in.view("tables", b), self.draft_in.view("start", b)[:, 0] + n,
+                              pos, v.view("tree", b).flatten() if self.spec.ddtree else None)
+            meta = AttentionMetadata(v.view("slots", b).flatten(), self.page, [group], window)
             extra = {}
             if self.states is not None:  # every chunk a verification of n rows from its slot's state
-                extra["state"] = StateRows(self.states, 0, self.v_sslot[:b], [(i * n, n, 1, -1) for i in range(b)],
-                                           trees=list(self._trees[:b]), fixed=(self.v_window, self.v_parents),
-                                           kept=self.kept)
-            hidden, feats = self.target(self.v_ids[:b].flatten(), self.v_pos[:b].flatten(),
-                                        self.spec.target_kv.data, meta, capture=self.spec.capture, **extra)
+                fixed = (v.view("window", b).reshape(b, n, self.kernel), v.view("parents", b).to(torch.int32))
+                extra["state"] = StateRows(self.states, 0, v.view("sslot", b)[:, 0],
+                                           [(i * n, n, 1, -1) for i in range(b)], trees=list(self._trees[:b]),
+                                           fixed=fixed, kept=self.kept)
+            hidden, feats = self.target(v.view("ids", b).flatten(), pos, self.spec.target_kv.data, meta,
+                                        capture=self.spec.capture, **extra)
             logits = self.target.logits(hidden)
             return logits, logits.argmax(-1), feats
 
@@ -194,18 +199,19 @@ class StaticSpec:
         @torch.inference_mode()
         def fn() -> None:
             _, _, feats = verify.out
-            rows = (self.e_rows[:b] + self.kpos[:b][:, None] * n).flatten()
+            e = self.extend_in
+            rows = (e.view("rows", b) + self.kpos[:b][:, None] * n).flatten()
             x = d.fuse([f[rows].to(kv.dtype) for f in feats])
-            cos, sin = d.rotary(self.e_pos[:b].flatten(), x.dtype)
-            slots = self.e_dslots[:b].flatten()
+            cos, sin = d.rotary(e.view("pos", b).flatten(), x.dtype)
+            slots = e.view("dslots", b).flatten()
             for i, layer in enumerate(d.layers):
                 k, v = layer.context_kv(x, cos, sin)
                 kv[i, 0].index_copy_(0, slots, k)
                 kv[i, 1].index_copy_(0, slots, v)
-            src, dst = self.e_src[:b].flatten(), self.e_dst[:b].flatten()
+            src, dst = e.view("src", b).flatten(), e.view("dst", b).flatten()
             tkv[:, :, dst] = tkv[:, :, src]
             if self.states is not None:  # the state after each sequence's last accepted row becomes its slot's
-                seqs, acc, slots = self.kpos[:b], self.e_acc[:b], self.v_sslot[:b]
+                seqs, acc, slots = self.kpos[:b], e.view("acc", b)[:, 0], e.view("sslot", b)[:, 0]
                 self.states.conv.index_copy_(1, slots, self.kept[0][:, seqs, acc])
                 self.states.ssm.index_copy_(1, slots, self.kept[1][:, seqs, acc + 1])
 
@@ -221,7 +227,7 @@ class StaticSpec:
             make = {"draft": self._draft_fn, "verify": self._verify_fn, "extend": self._extend_fn}[kind]
             # The eager runs before a capture execute the body: the bookkeeping's (its moves of KV rows are not
             # idempotent) then points at scratch slot 0 and block 0, and its inputs are put back after.
-            inputs = self._extend_inputs() if kind == "extend" and self.device.type == "cuda" else []
+            inputs = [self.extend_in.dev] if kind == "extend" and self.device.type == "cuda" else []
             held = [t.clone() for t in inputs]
             for t in inputs:
                 t.zero_()
@@ -231,11 +237,6 @@ class StaticSpec:
             self._outs.setdefault((kind, b), g.out)
             log.debug("spec graph %s batch=%d ctx=%d", kind, b, c)
         return g
-
-    def _extend_inputs(self) -> list[torch.Tensor]:
-        """The buffers the bookkeeping graph reads (besides the verification's outputs)."""
-        hybrid = [self.e_acc, self.v_sslot] if self.states is not None else []
-        return [self.e_rows, self.e_pos, self.e_dslots, self.e_src, self.e_dst, *hybrid]
 
     # ----- one step -----------------------------------------------------------
 
@@ -255,11 +256,13 @@ class StaticSpec:
         b, c = buckets
         g = len(chunks)
         # 1. draft
-        ids = torch.full((b, self.B), self.drafter.cfg.mask_token_id, dtype=torch.long)
-        ids[:g, 0] = torch.tensor([ch.seq.token_ids[ch.start] for ch in chunks])
-        self.d_ids[:b].copy_(ids)
-        self.d_start[:b].copy_(_pad([ch.start for ch in chunks], b))
-        self.d_tables[:b].copy_(self._tables([ch.seq.block_table for ch in chunks], b))
+        d = self.draft_in
+        ids = d.host("ids")
+        ids[:b] = self.drafter.cfg.mask_token_id
+        ids[:g, 0] = [ch.seq.token_ids[ch.start] for ch in chunks]
+        d.host("start")[:b, 0] = _pad([ch.start for ch in chunks], b)
+        d.host("tables")[:b] = pad_tables([ch.seq.block_table for ch in chunks], self.max_ctx // self.page, b)
+        d.send(b)
         out = self._graph("draft", b, c)()
         verify: list[Chunk] = []
         if self.K == 1:
@@ -276,58 +279,45 @@ class StaticSpec:
                 verify.append(Chunk(ch.seq, ch.start, n, tokens=[ch.seq.token_ids[ch.start]] + toks,
                                     parents=[-1] + parents))
         spec.stats.drafted += g * (n - 1)
-        # 2. verify
-        v_ids = torch.zeros(b, n, dtype=torch.long)
-        v_pos = torch.zeros(b, n, dtype=torch.long)
-        v_slots = torch.zeros(b, n, dtype=torch.long)
-        v_tree = torch.from_numpy(tree_bits(list(range(-1, n - 1)))).expand(b, n).clone()  # padding: chains
+        # 2. verify (padding rows: token 0 at position 0 in scratch slot 0, a chain)
+        v = self.verify_in
+        v.np[:b] = 0
+        v.host("tree")[:b] = self._chain_bits
         for i, ch in enumerate(verify):
-            depth = ch.depths()
-            v_ids[i] = torch.tensor(ch.tokens)
-            v_pos[i] = ch.start + torch.tensor(depth)
-            v_slots[i] = torch.tensor(spec.target_kv.slots(ch.seq.block_table, ch.start, ch.start + n))
+            v.host("ids")[i] = ch.tokens
+            v.host("pos")[i] = ch.start + np.asarray(ch.depths())
+            v.host("slots")[i] = spec.target_kv.slots(ch.seq.block_table, ch.start, ch.start + n)
             if ch.parents is not None:
-                v_tree[i] = torch.from_numpy(tree_bits(ch.parents))
-        for buf, val in ((self.v_ids, v_ids), (self.v_pos, v_pos), (self.v_slots, v_slots), (self.v_tree, v_tree)):
-            buf[:b].copy_(val)
-        self.v_start[:b].copy_(_pad([ch.start for ch in chunks], b))
-        self.v_tables[:b].copy_(self._tables([ch.seq.block_table for ch in chunks], b))
+                v.host("tree")[i] = tree_bits(ch.parents)
         if self.states is not None:
             self._fill_states(verify, b)
+        v.send(b)
         logits, argmax, _ = self._graph("verify", b, c)()
         # 3. walk on the host, then the accepted rows' bookkeeping in one replay
+        e = self.extend_in
+        e.np[:b] = 0
         committed: list[list[int]] = []
         paths: list[int] = []
-        e_rows = torch.zeros(b, n, dtype=torch.long)
-        e_pos = torch.zeros(b, n, dtype=torch.long)
-        e_dslots = torch.zeros(b, n, dtype=torch.long)
-        e_src = torch.zeros(b, n, dtype=torch.long)
-        e_acc = torch.zeros(b, dtype=torch.long)
         best = argmax[: g * n].tolist()  # the one device->host read of the step's choices
         for i, ch in enumerate(verify):
             choose = chooser(ch, logits[i * n: (i + 1) * n], best[i * n: (i + 1) * n])
             path, tokens = walk(ch, choose)
             committed.append(tokens)
-            rows = path + [path[-1]] * (n - len(path))
-            e_rows[i] = torch.tensor(rows)
-            e_pos[i] = ch.start + torch.arange(n)
-            e_dslots[i] = torch.tensor(spec.kv.slots(ch.seq.block_table, ch.start, ch.start + n))
-            tslots = spec.target_kv.slots(ch.seq.block_table, ch.start, ch.start + n)
+            e.host("rows")[i] = path + [path[-1]] * (n - len(path))
+            e.host("pos")[i] = range(ch.start, ch.start + n)
+            e.host("dslots")[i] = spec.kv.slots(ch.seq.block_table, ch.start, ch.start + n)
             # Compaction: row path[d] moves to position start + d; the rest stay where they are.
-            src = list(tslots)
-            for d, r in enumerate(path):
-                src[d] = tslots[r]
-            e_src[i] = torch.tensor(src)
+            tslots = v.host("slots")[i]
+            src = e.host("src")[i]
+            src[:] = tslots
+            src[: len(path)] = tslots[path]
             paths.append(len(path))
-            # (a hybrid's state: forced tokens replace the verified ones, so only row 0's, the last known token's)
-            e_acc[i] = 0 if ch.seq.forced_tokens else path[-1]
-        e_dst = torch.zeros(b, n, dtype=torch.long)
-        e_dst[:g] = v_slots[:g]
-        for buf, val in ((self.e_rows, e_rows), (self.e_pos, e_pos), (self.e_dslots, e_dslots),
-                         (self.e_src, e_src), (self.e_dst, e_dst)):
-            buf[:b].copy_(val)
+            if self.states is not None:  # (forced tokens replace the verified ones: only row 0's state, the last
+                e.host("acc")[i, 0] = 0 if ch.seq.forced_tokens else path[-1]  # known token's)
+        e.host("dst")[:g] = v.host("slots")[:g]
         if self.states is not None:
-            self.e_acc[:b].copy_(e_acc)
+            e.host("sslot")[:b] = v.host("sslot")[:b]
+        e.send(b)
         self._graph("extend", b, c)()
         for ch, n_path in zip(chunks, paths):  # the sequences change only once every launch has run
             spec.record(ch.seq, ch.start, n_path)
@@ -337,22 +327,16 @@ class StaticSpec:
     def _fill_states(self, verify: list[Chunk], b: int) -> None:
         """A hybrid's verification inputs: each chunk's state slot, conv windows and parent states (padding rows:
         a chain from scratch slot 0)."""
-        g, n = len(verify), self.N
-        slots = torch.zeros(b, dtype=torch.long)
-        windows, parents = self._chain[0].repeat(b, 1, 1), self._chain[1].repeat(b, 1)
+        v, n = self.verify_in, self.N
+        v.host("window")[:b] = self._chain_window
+        v.host("parents")[:b] = np.arange(n)  # a chain: row r's parent state is 1 + (r - 1)
         chain = list(range(-1, n - 1))
-        self._trees = [ch.parents or chain for ch in verify] + [chain] * (len(self._trees) - g)
+        self._trees = [ch.parents or chain for ch in verify] + [chain] * (len(self._trees) - len(verify))
         for i, ch in enumerate(verify):
-            slots[i] = ch.seq.state_slot
+            v.host("sslot")[i, 0] = ch.seq.state_slot
             if ch.parents is not None:
-                windows[i] = torch.tensor(conv_windows(ch.parents, self.kernel))
-                parents[i] = torch.tensor(ch.parents, dtype=torch.int32) + 1
-        self.v_sslot[:b].copy_(slots)
-        self.v_window[:b].copy_(windows)
-        self.v_parents[:b].copy_(parents)
-
-    def _tables(self, tables: list[list[int]], b: int) -> torch.Tensor:
-        return torch.from_numpy(pad_tables(tables, self.max_ctx // self.page, b))
+                v.host("window")[i] = np.asarray(conv_windows(ch.parents, self.kernel)).ravel()
+                v.host("parents")[i] = np.asarray(ch.parents) + 1
 
 
 def _copy_into(dst: Any, src: Any) -> None:
@@ -364,7 +348,35 @@ def _copy_into(dst: Any, src: Any) -> None:
             _copy_into(d, s)
 
 
-def _pad(values: list[int], b: int) -> torch.Tensor:
-    out = torch.zeros(b, dtype=torch.long)
-    out[: len(values)] = torch.tensor(values)
+def _pad(values: list[int], b: int) -> np.ndarray:
+    out = np.zeros(b, dtype=np.int64)
+    out[: len(values)] = values
     return out
+
+
+class _Packed:
+    """One graph's per-sequence int64 inputs: named column ranges of a [batch, width] device tensor, written on
+    the host into a mirror (pinned on CUDA) and sent with one copy of the bucket's rows before a replay.
+    The mirror is rewritten only after the step's next read-back, so the copy has run by then."""
+
+    def __init__(self, rows: int, fields: dict[str, int], device: torch.device) -> None:
+        width = sum(fields.values())
+        self.dev = torch.zeros(rows, width, dtype=torch.long, device=device)
+        self.pinned = torch.zeros(rows, width, dtype=torch.long, pin_memory=device.type == "cuda")
+        self.np = self.pinned.numpy()
+        self.cols: dict[str, slice] = {}
+        at = 0
+        for name, w in fields.items():
+            self.cols[name] = slice(at, at + w)
+            at += w
+
+    def view(self, name: str, b: int) -> torch.Tensor:
+        """Field `name` of the first `b` rows on the device, [b, width] (contiguous: a copy in the graph)."""
+        return self.dev[:b, self.cols[name]].contiguous()
+
+    def host(self, name: str) -> np.ndarray:
+        """Field `name` of every row in the host mirror, [rows, width] (a view to write)."""
+        return self.np[:, self.cols[name]]
+
+    def send(self, b: int) -> None:
+        self.dev[:b].copy_(self.pinned[:b], non_blocking=True)
