@@ -146,12 +146,13 @@ def test_rollback_after_partial_acceptance(files, plain, ddtree: bool, kernels: 
     assert stats.committed < stats.steps * e.spec.block, stats  # ... and rejected in part
 
 
-def test_with_the_prefix_cache(files, plain) -> None:
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_with_the_prefix_cache(files, plain, static: bool) -> None:
     """Speculation and the prefix cache together: a hit restores the target's KV and state and the drafter's
-    context; decoding from it gives plain decoding's tokens."""
+    context; decoding from it gives plain decoding's tokens (also through the fixed-shape steps)."""
     from lucebox.cache.manager import CacheConfig
 
-    e = engine(files["qwen35"], draft=str(files["drafter"]))
+    e = engine(files["qwen35"], draft=str(files["drafter"]), spec_static=static)
     e.enable_prefix_cache(CacheConfig(gpu=True, min_tokens=16))
     for _ in range(2):
         seqs = [e.new_sequence(p, greedy()) for p in PROMPTS]
@@ -193,3 +194,77 @@ def test_state_budget_from_the_memory_plan() -> None:
     assert state_slots(room=100 * gb, slot_bytes=slot, max_seqs=64) == (64, 0)
     assert state_slots(room=100 * gb, slot_bytes=slot, max_seqs=64, verify_rows=16) == (19, 16)
     assert state_slots(room=gb // 2, slot_bytes=slot, max_seqs=64, verify_rows=16) == (1, 0)  # no speculation
+
+
+def test_live_server_two_tool_turns_with_a_disconnect(files) -> None:
+    """Through the real server (tests/live_server.py) on the hybrid with its drafter and the prefix cache: a
+    streamed turn that must call a tool (a constrained call, the drafts fitted to the grammar), the tool's
+    result in a second streamed turn that hits the cache (KV and recurrent state restored), a stream dropped
+    mid-way whose sequence is dropped with it, then a third request served; every state slot given back."""
+    import json
+    import socket
+    import time
+
+    from openai import OpenAI
+
+    from tests.live_server import start_server
+
+    server = start_server(files["qwen35"], draft=str(files["drafter"]), kv_tokens=4096, max_num_seqs=4)
+    try:
+        engine = server.ctx.engine.engine
+        assert engine.spec is not None and engine.cache is not None
+        client = OpenAI(base_url=server.base_url, api_key="x", max_retries=0)
+        tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
+                  "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                 "required": ["city"]}}}]
+        msgs = [{"role": "system", "content": "You answer briefly. " * 40},
+                {"role": "user", "content": "What is the weather in Paris?"}]
+        calls: dict[int, dict] = {}
+        for chunk in client.chat.completions.create(model="m", messages=msgs, tools=tools, tool_choice="required",
+                                                    stream=True, max_tokens=48, temperature=0):
+            for tc in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+                call = calls.setdefault(tc.index, {"id": tc.id, "name": "", "args": ""})
+                call["name"] += tc.function.name or ""
+                call["args"] += tc.function.arguments or ""
+        call = calls[0]
+        assert call["name"] == "get_weather" and isinstance(json.loads(call["args"]), dict)
+        msgs += [{"role": "assistant", "content": None, "tool_calls": [
+                     {"id": call["id"], "type": "function", "function": {"name": call["name"],
+                                                                          "arguments": call["args"]}}]},
+                 {"role": "tool", "tool_call_id": call["id"], "content": "18 C, sunny"}]
+        usage, text = None, ""
+        for chunk in client.chat.completions.create(model="m", messages=msgs, tools=tools, stream=True,
+                                                    max_tokens=24, temperature=0,
+                                                    stream_options={"include_usage": True}):
+            if chunk.choices and chunk.choices[0].delta.content:
+                text += chunk.choices[0].delta.content
+            usage = chunk.usage or usage
+        assert usage is not None and usage.completion_tokens > 0
+        assert usage.prompt_tokens_details.cached_tokens > 0  # the first turn's prefix, KV and state
+        # a stream the client drops after its first bytes
+        host, port = server.url.removeprefix("http://").split(":")
+        body = json.dumps({"model": "m", "stream": True, "max_tokens": 1500, "ignore_eos": True,
+                           "messages": [{"role": "user", "content": "Count to one hundred."}]}).encode()
+        served = server.ctx.engine
+        before, steps = served.num_disconnects, served.steps
+        with socket.create_connection((host, int(port)), timeout=30) as s:
+            s.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+                      f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            got = b""
+            while got.count(b"data: ") < 3:  # the role chunk and two content chunks: generation is running
+                got += s.recv(65536)
+            assert got.startswith(b"HTTP/1.1 200")
+        for _ in range(200):
+            if served.num_disconnects > before:
+                break
+            time.sleep(0.05)
+        assert served.num_disconnects == before + 1 and served.steps - steps < 1000  # dropped long before 1500
+        reply = client.chat.completions.create(model="m", messages=msgs[:2], max_tokens=8, temperature=0)
+        assert reply.choices[0].finish_reason in ("length", "stop")
+        for _ in range(200):
+            if not engine.has_work():
+                break
+            time.sleep(0.05)
+        assert not engine.scheduler.running and engine.kv.states.num_free == engine.kv.states.num_slots
+    finally:
+        server.stop()
