@@ -881,8 +881,9 @@ class LLMEngine:
         return token_importance(self.loaded.model, ids, cfg)
 
     @torch.inference_mode()
-    def score(self, token_ids: list[int]) -> torch.Tensor:
-        """Logits [len, vocab] (fp32) at every position of one prompt, for parity tests."""
+    def score(self, token_ids: list[int], rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [len, vocab] (fp32) at every position of one prompt, for parity tests; `rows`: those
+        positions' only (a long prompt's full logits over a 262K vocabulary are GBs)."""
         seq = Sequence(list(token_ids), SamplingParams())
         seq.block_table = self.kv.pool.allocate(self.kv.blocks_for(len(token_ids)))
         if self.kv.states is not None:
@@ -891,7 +892,7 @@ class LLMEngine:
             inputs = self.runner.prepare([Chunk(seq, 0, len(token_ids))])
             extra = {} if inputs.state is None else {"state": inputs.state}
             hidden, _ = self.loaded.model(inputs.input_ids, inputs.positions, self.kv.data, inputs.meta, **extra)
-            return self.loaded.model.logits(hidden).float()
+            return self.loaded.model.logits(hidden if rows is None else hidden[rows.to(hidden.device)]).float()
         finally:
             self.kv.pool.decref(seq.block_table)
             if seq.state_slot:
