@@ -252,38 +252,40 @@ def test_in_place_step_equals_staged_step(tmp_path, monkeypatch: pytest.MonkeyPa
     assert not torch.equal(results[0][2], before[1])  # the step moved the states on
 
 
+def staggered_tokens_on_cuda(path, **config):
+    """The tiny qwen35 at `path` on CUDA (fp32) decoding 3 prompts of different lengths to different lengths
+    (they start and end at different steps, so graph buckets change and padding rows run): (tokens, engine)."""
+    from lucebox.engine.runtime.llm_engine import EngineConfig, LLMEngine
+    from lucebox.engine.runtime.sampler import SamplingParams
+
+    prompts = [[(7 * i + 3) % 300 + 3 for i in range(n)] for n in (40, 9, 23)]
+    engine_config = EngineConfig(device="cuda", dtype="float32", kv_tokens=1024, max_step_tokens=16, max_num_seqs=4,
+                                 **config)
+    e = LLMEngine.from_path(path, engine_config, quiet=True)
+    seqs = [e.add(p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+            for p, n in zip(prompts, [20, 12, 16])]
+    while e.has_work():
+        e.step()
+    return [s.output_ids for s in seqs], e
+
+
 @needs_cuda
 @pytest.mark.parametrize("moe", [False, True], ids=["qwen35", "qwen35moe"])
 def test_graph_decode_equals_eager(tmp_path, moe: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """On CUDA, decode steps replayed from CUDA graphs (the state slots among the graph's packed inputs, the
     kernels updating them in place) give the eager engine's greedy tokens, for batches of 1 to 3 sequences
     that start and end at different steps (graph buckets change, padding rows use the scratch slot).
-    Both are off by default until this passes on a GPU (LUCEBOX_HYBRID_GRAPHS, LUCEBOX_DELTANET_KERNEL)."""
+    Both are on by default since this passed on the H200 (LUCEBOX_HYBRID_GRAPHS, LUCEBOX_DELTANET_KERNEL)."""
     pytest.importorskip("transformers")
     from lucebox.engine.runtime import cuda_graphs
 
     monkeypatch.setattr(cuda_graphs, "HYBRID", True)
     monkeypatch.setattr(triton_deltanet, "ENABLED", True)
-    from lucebox.engine.runtime.llm_engine import EngineConfig, LLMEngine
-    from lucebox.engine.runtime.sampler import SamplingParams
     from tests.fixtures.tiny_models import write_tiny_qwen35_gguf
 
     path = write_tiny_qwen35_gguf(tmp_path / "tiny.gguf", moe=moe)
-    prompts = [[(7 * i + 3) % 300 + 3 for i in range(n)] for n in (40, 9, 23)]
-    lengths = [20, 12, 16]
-
-    def run(graphs: bool) -> tuple[list[list[int]], LLMEngine]:
-        config = EngineConfig(device="cuda", dtype="float32", kv_tokens=1024, max_step_tokens=16,
-                              max_num_seqs=4, cuda_graphs=graphs)
-        e = LLMEngine.from_path(path, config, quiet=True)
-        seqs = [e.add(p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
-                for p, n in zip(prompts, lengths)]
-        while e.has_work():
-            e.step()
-        return [s.output_ids for s in seqs], e
-
-    eager, _ = run(False)
-    replayed, e = run(True)
+    eager, _ = staggered_tokens_on_cuda(path, cuda_graphs=False)
+    replayed, e = staggered_tokens_on_cuda(path, cuda_graphs=True)
     assert e.runner.graphs is not None and e.runner.graphs.graphs  # decode steps took graphs
     assert replayed == eager
     assert e.kv.states.num_free == e.kv.states.num_slots
@@ -298,8 +300,6 @@ def test_graph_speculation_equals_plain(tmp_path, ddtree: bool, monkeypatch: pyt
     different lengths that start and end at different steps; every slot is given back."""
     pytest.importorskip("transformers")
     from lucebox.engine.runtime import cuda_graphs
-    from lucebox.engine.runtime.llm_engine import EngineConfig, LLMEngine
-    from lucebox.engine.runtime.sampler import SamplingParams
     from lucebox.engine.spec.drafter import DFlashDrafter, drafter_config_for, save_drafter
     from lucebox.engine.weights.loader import read_model_config
     from tests.fixtures.tiny_models import write_tiny_qwen35_gguf
@@ -311,21 +311,9 @@ def test_graph_speculation_equals_plain(tmp_path, ddtree: bool, monkeypatch: pyt
     cfg = read_model_config(path)
     dcfg = drafter_config_for(cfg, layers=1, block_size=5, mask_token_id=cfg.vocab_size - 1)
     save_drafter(DFlashDrafter.random(dcfg, seed=0, std=0.2), tmp_path / "drafter")
-    prompts = [[(7 * i + 3) % 300 + 3 for i in range(n)] for n in (40, 9, 23)]
-    lengths = [20, 12, 16]
-
-    def run(**spec) -> tuple[list[list[int]], LLMEngine]:
-        config = EngineConfig(device="cuda", dtype="float32", kv_tokens=1024, max_step_tokens=16, max_num_seqs=4,
-                              cuda_graphs=bool(spec), **spec)
-        e = LLMEngine.from_path(path, config, quiet=True)
-        seqs = [e.add(p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
-                for p, n in zip(prompts, lengths)]
-        while e.has_work():
-            e.step()
-        return [s.output_ids for s in seqs], e
-
-    plain, _ = run()
-    spec, e = run(draft=str(tmp_path / "drafter"), ddtree=ddtree, ddtree_budget=6, spec_adaptive=False)
+    plain, _ = staggered_tokens_on_cuda(path, cuda_graphs=False)
+    spec, e = staggered_tokens_on_cuda(path, cuda_graphs=True, draft=str(tmp_path / "drafter"), ddtree=ddtree,
+                                       ddtree_budget=6, spec_adaptive=False)
     assert e.spec is not None and e.spec.static is not None
     assert any(kind == "verify" for kind, _, _ in e.spec.static.graphs) and e.spec.stats.steps > 0
     assert spec == plain
