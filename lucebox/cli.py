@@ -190,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--shape", default="qwen3-8b", help="a dense --shape of bench decode (default qwen3-8b)")
     b.add_argument("--vocab", type=int, default=151_936, help="LM head rows (default: Qwen3's 151,936)")
     b.add_argument("--types", default="Q4_K,Q6_K,Q8_0", help="comma-separated quant types (Q4_K, Q6_K, Q8_0)")
-    b.add_argument("--rows", default="1,16", help="activation rows: 1 (decode) and up to 16 (batches, verify)")
+    b.add_argument("--rows", default="1,16", help="activation rows: 1 (decode) and up to 32 (batches, verify)")
     b.add_argument("--sweep", action="store_true",
                    help="at one row, also time a wider grid of int8 gemv configs (~60 a type; minutes) and show the "
                         "fastest beside the tuner's")

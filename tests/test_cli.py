@@ -45,7 +45,7 @@ def test_two_different_models_is_one_line_and_exit_2(capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--rows", "1,40"], "bench qmm: --rows takes a comma-separated list of 1..16, not '1,40'"),
+    (["--rows", "1,40"], "bench qmm: --rows takes a comma-separated list of 1..32, not '1,40'"),
     (["--types", "Q4_0"], "bench qmm: --types takes Q4_K, Q6_K, Q8_0, not 'Q4_0'"),
     (["--shape", "nope"], "bench qmm: unknown --shape 'nope' (choose from qwen3-8b, qwen3-0.6b, tiny, tiny-scorer)"),
 ] + ([] if torch.cuda.is_available() else [

@@ -404,6 +404,7 @@ def test_bench_qmm_measures_every_matrix_type_and_row_count(monkeypatch, tmp_pat
             assert r["sweep"]["us"] == 1000.0 and tuple(r["sweep"]["config"][:4]) in {(8, 1, 1, 1), (4, 2, 1, 1)}
         else:
             assert r["sweep"] is None
+    assert bench_qmm.MAX_ROWS == qmm.SMALL_MAX  # --rows takes every row count a small-batch kernel serves
 
 
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])

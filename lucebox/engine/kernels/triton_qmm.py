@@ -746,12 +746,30 @@ def _ws_rows(ws_ptr, rm, M, K):
 
 
 @triton.jit
+def _nibbles(q, HIGH: tl.constexpr, ASM: tl.constexpr):
+    """The low (HIGH False) or high nibble of every byte of uint8 tensor q, as int8: with ASM four bytes an
+    instruction (pack=4: each 32-bit register masked and shifted whole; the ops are bytewise, so any grouping of
+    four elements gives the same values), else (the interpreter) element by element."""
+    if ASM:
+        if HIGH:
+            return tl.inline_asm_elementwise("{.reg .b32 t; shr.u32 t, $1, 4; and.b32 $0, t, 0x0F0F0F0F;}", "=r,r",
+                                             [q], dtype=tl.int8, is_pure=True, pack=4)
+        return tl.inline_asm_elementwise("and.b32 $0, $1, 0x0F0F0F0F;", "=r,r", [q], dtype=tl.int8, is_pure=True,
+                                         pack=4)
+    return ((q.to(tl.int32) >> (4 if HIGH else 0)) & 15).to(tl.int8)
+
+
+@triton.jit
 def _qmm_q4k_q8x_kernel(ws_ptr, w_ptr, b_ptr, y_ptr, M, N, K, n_split, row_words, stride_ym,
-                        HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+                        HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                        ASM: tl.constexpr):
     """A few activation rows (batched decode, verify blocks) of a Q4_K weight against their int8 workspaces:
     per 32-column sub-block one int8 tensor-core dot of the rows' int8 x with the weights' nibbles (low
     nibbles: sub-block 2ci, high: 2ci + 1), scaled by dx per row and d * scale per weight row, less the dmin
-    term on the exact sums of x. Program (i, 0, j) covers super-blocks j * n_split .. (j + 1) * n_split."""
+    term on the exact sums of x. Program (i, 0, j) covers super-blocks j * n_split .. (j + 1) * n_split.
+    Each header word is loaded as its own [1, BN] row (L1 hits after the first): the scales are then computed
+    in the dot's layout, where one [4, BN] load reduced per word had cost two shared-memory layout conversions
+    per sub-block (1.23x slower on Qwen3-8B's gate|up at 16 rows, H200)."""
     rm = tl.arange(0, BM)
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     lo = tl.program_id(2) * n_split
@@ -762,25 +780,23 @@ def _qmm_q4k_q8x_kernel(ws_ptr, w_ptr, b_ptr, y_ptr, M, N, K, n_split, row_words
     w32 = w_ptr.to(tl.pointer_type(tl.int32)) + rows[None, :] * row_words  # [1, BN]
     w8 = w_ptr + rows[None, :] * (4 * row_words)
     j = tl.arange(0, 32)
-    kk = tl.arange(0, 4)[:, None]
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for sb in range(lo, lo + n_split):
-        hdr = tl.load(w32 + sb * 36 + kk)  # [4, BN]: d | dmin, the 3 scale words
-        w0 = tl.sum(tl.where(kk == 0, hdr, 0), axis=0, keep_dims=True)  # [1, BN]
-        s0 = tl.sum(tl.where(kk == 1, hdr, 0), axis=0, keep_dims=True)
-        s1 = tl.sum(tl.where(kk == 2, hdr, 0), axis=0, keep_dims=True)
-        s2 = tl.sum(tl.where(kk == 3, hdr, 0), axis=0, keep_dims=True)
+        w0 = tl.load(w32 + sb * 36)  # d | dmin, then the 12 bytes of 6-bit scales and mins
+        s0 = tl.load(w32 + sb * 36 + 1)
+        s1 = tl.load(w32 + sb * 36 + 2)
+        s2 = tl.load(w32 + sb * 36 + 3)
         d = _h16(w0, 0)
         dmin = _h16(w0, 16)
         for ci in tl.static_range(4):
             sc0, mn0, sc1, mn1 = _q4k_chunk_scales(s0, s1, s2, ci)
             qb = tl.load(w8 + (sb * 144 + 16 + ci * 32) + j[:, None])  # [32, BN] bytes
             xc = xrow + (sb * 256 + ci * 64) + j[None, :]
-            dlo = tl.dot(tl.load(xc), (qb & 15).to(tl.int8))  # [BM, BN] int32
-            dhi = tl.dot(tl.load(xc + 32), (qb >> 4).to(tl.int8))
+            dlo = tl.dot(tl.load(xc), _nibbles(qb, False, ASM))  # [BM, BN] int32
+            dhi = tl.dot(tl.load(xc + 32), _nibbles(qb, True, ASM))
             sub = sb * 8 + 2 * ci
-            acc += dlo.to(tl.float32) * (tl.load(dxrow + sub) * (d * _ifloat(sc0)))
-            acc += dhi.to(tl.float32) * (tl.load(dxrow + sub + 1) * (d * _ifloat(sc1)))
+            acc += _ifloat(dlo) * (tl.load(dxrow + sub) * (d * _ifloat(sc0)))
+            acc += _ifloat(dhi) * (tl.load(dxrow + sub + 1) * (d * _ifloat(sc1)))
             acc -= tl.load(sxrow + sub) * (dmin * _ifloat(mn0)) + tl.load(sxrow + sub + 1) * (dmin * _ifloat(mn1))
     _store_tile(y_ptr, b_ptr, acc, rm, rn, m_ok, n_mask, M, N, stride_ym, HAS_BIAS, PARTIAL)
 
@@ -805,7 +821,7 @@ def _qmm_q6k_q8x_kernel(ws_ptr, w_ptr, b_ptr, y_ptr, M, N, K, n_split, row_words
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for sb in range(lo, lo + n_split):
         blk = w8 + sb * 210
-        d = _f16(blk + 208, n_mask[None, :])  # [1, BN]
+        d = _f16(blk + 208, True)  # [1, BN] (rows clamped to N - 1: no mask, which keeps the loads in the dot's layout)
         for h in tl.static_range(2):
             qh = tl.load(blk + 128 + 32 * h + j).to(tl.int32)  # [32, BN]
             for g in tl.static_range(4):
@@ -814,10 +830,10 @@ def _qmm_q6k_q8x_kernel(ws_ptr, w_ptr, b_ptr, y_ptr, M, N, K, n_split, row_words
                 xg = tl.load(xrow + (sb * 256 + 128 * h + 32 * g) + tl.arange(0, 32)[None, :])  # [BM, 32]
                 dlo = tl.dot(xg, tl.where(first, v, 0).to(tl.int8))
                 dhi = tl.dot(xg, tl.where(first, 0, v).to(tl.int8))
-                sc0 = _i8(blk + 192 + 8 * h + 2 * g, n_mask[None, :])  # [1, BN]
-                sc1 = _i8(blk + 193 + 8 * h + 2 * g, n_mask[None, :])
+                sc0 = _i8(blk + 192 + 8 * h + 2 * g, True)  # [1, BN]
+                sc1 = _i8(blk + 193 + 8 * h + 2 * g, True)
                 dx = tl.load(dxrow + (sb * 8 + 4 * h + g))  # [BM, 1]
-                acc += (dlo.to(tl.float32) * sc0 + dhi.to(tl.float32) * sc1) * (dx * d)
+                acc += (_ifloat(dlo) * sc0 + _ifloat(dhi) * sc1) * (dx * d)
     _store_tile(y_ptr, b_ptr, acc, rm, rn, m_ok, n_mask, M, N, stride_ym, HAS_BIAS, PARTIAL)
 
 
@@ -942,7 +958,9 @@ WORD_TYPES = {"Q4_K": (5, 256), "Q6_K": (7, 256), "Q8_0": (4, 32)}
 # Measured on the H200 over Qwen3-8B matrices in CUDA graphs (2026-12-03; `bench qmm` reruns it), best float / int8
 # config: one row Q4_K 4096x4096 9.9 / 8.3 us, 24576x4096 45.7 / 27.4 us (1.24 / 2.07 TB/s), Q6_K 151936x4096
 # 290 / 236 us, Q8_0 24576x4096 68 / 31 us (1.58 / 3.41 TB/s); 16 rows Q4_K 24576x4096 117 / 76 us, Q6_K
-# 151936x4096 1,607 / 717 us. bf16 cuBLAS on the dense weight: 3.3-4.1 TB/s.
+# 151936x4096 1,607 / 717 us. bf16 cuBLAS on the dense weight: 3.3-4.1 TB/s. The int8 tiles since 2026-12-04
+# (header words per row, nibbles four a register, int32 dots made fp32 by _ifloat): 16 / 32 rows Q4_K 24576x4096
+# 61.6 / 100.5 us (were 75.7 / 133.1 in the same lease), Q6_K 151936x4096 601 / 815 us (were 635 / 867).
 GEMV_DEFAULT = {"Q4_K": (16, 1, 4, 4), "Q6_K": (8, 2, 4, 4), "Q8_0": (8, 2, 4, 1)}
 SMALL_DEFAULT = {"Q4_K": (64, 1, 4, 4), "Q6_K": (64, 1, 4, 4), "Q8_0": (64, 1, 4, 4)}
 GEMV_CANDIDATES = [(16, 1, 4, 4), (16, 1, 2, 4), (8, 2, 4, 4), (8, 2, 4, 1), (16, 1, 4, 1), (4, 2, 4, 1)]
@@ -964,10 +982,12 @@ Q8X_CANDIDATES["Q4_K"] += [(32, 16, 4, 1, "q8x"), (16, 16, 2, 1, "q8x"), (16, 16
                            (32, 8, 2, 1, "q8x"), (16, 8, 1, 1, "q8x")]
 SMALL_CANDIDATES = [(64, 1, 4, 4), (64, 1, 4, 1), (64, 1, 4, 8), (32, 1, 4, 4)]
 # The int8 tensor-core small-batch kernels (Q4_K, Q6_K, Q8_0): (BN, 1, warps, split, "q8x").
-SMALL_Q8X_CANDIDATES = {"Q4_K": [(64, 1, 4, 4, "q8x"), (32, 1, 4, 4, "q8x"), (64, 1, 4, 2, "q8x"),
+SMALL_Q8X_CANDIDATES = {"Q6_K": [(64, 1, 4, 4, "q8x"), (32, 1, 4, 4, "q8x"), (64, 1, 4, 2, "q8x"),
                                  (128, 1, 4, 4, "q8x"), (32, 1, 4, 8, "q8x"), (64, 1, 8, 4, "q8x"),
                                  (32, 1, 2, 4, "q8x")]}
-SMALL_Q8X_CANDIDATES["Q6_K"] = SMALL_Q8X_CANDIDATES["Q8_0"] = SMALL_Q8X_CANDIDATES["Q4_K"]
+SMALL_Q8X_CANDIDATES["Q8_0"] = SMALL_Q8X_CANDIDATES["Q6_K"]
+# Q4_K's also without a split: its fastest at 16 rows on 24576 x 4096 (61 us, H200).
+SMALL_Q8X_CANDIDATES["Q4_K"] = SMALL_Q8X_CANDIDATES["Q6_K"] + [(64, 1, 4, 1, "q8x"), (128, 1, 4, 1, "q8x")]
 Config = tuple  # (BN, NB, num_warps, split), with a fifth "q8x" for the int8-activation gemvs
 TUNED: dict[tuple[str, str, int, int], Config] = {}
 SMALL_BM = 16
@@ -1027,10 +1047,11 @@ def _launch_words(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None, ou
                                                         XBF16=X_PAIRS and x.dtype == torch.bfloat16, **common)
     elif variant == ["q8x"]:  # 2 <= m <= SMALL_MAX: one tile of all the rows
         kernel = {"Q4_K": _qmm_q4k_q8x_kernel, "Q6_K": _qmm_q6k_q8x_kernel, "Q8_0": _qmm_q80_q8x_kernel}[w.qtype]
+        extra = {"ASM": x.is_cuda} if w.qtype == "Q4_K" else {}
         kernel[(triton.cdiv(n, bn), 1, split)](
             quantize_x(x), w.data, b, y, m, n, k, n_blk // split, w.data.shape[1] // 4, out.stride(0),
             HAS_BIAS=bias is not None, PARTIAL=split > 1, BM=SMALL_BM if m <= SMALL_BM else SMALL_MAX, BN=bn,
-            num_warps=warps)
+            num_warps=warps, **extra)
     else:
         grid = (triton.cdiv(n, bn), triton.cdiv(m, SMALL_BM), split)
         _qmm_words_kernel[grid](x, w.data, b, y, m, n, n_blk // split, x.stride(0), out.stride(0),
