@@ -349,11 +349,12 @@ def test_warm_up_keeps_the_int8_gemv_where_it_is_faster(monkeypatch) -> None:
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0"])
 @pytest.mark.parametrize("m", [2, 5, 16, 23, 32])
-@pytest.mark.parametrize("cfg", [(16, 1, 4, 1, "q8x"), (32, 1, 4, 2, "q8x")])
+@pytest.mark.parametrize("cfg", [(16, 1, 4, 1, "q8x"), (32, 1, 4, 2, "q8x"), (16, 2, 4, 2, "q8x")])
 def test_int8_small_batch(qtype: str, m: int, cfg) -> None:
     """The Q4_K / Q6_K / Q8_0 small-batch kernels with int8 activations (int8 tensor-core dots) equal, row by row, the
     int8-activation arithmetic in torch, and stay within bf16-like error of the exact product; split-K, bias,
-    rows not a multiple of the program's, and past 16 rows one 32-row tile (a DDTree's 23 verified rows)."""
+    rows not a multiple of the program's, two super-blocks a loop step (NB 2), and past 16 rows one 32-row tile
+    (a DDTree's 23 verified rows)."""
     n, k = 40, 256 * 4
     w = random_weight(qtype, n, k, seed=13).to(DEVICE)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(DEVICE, DTYPE)  # fixed: not the global RNG

@@ -760,16 +760,39 @@ def _nibbles(q, HIGH: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _qmm_q4k_q8x_kernel(ws_ptr, w_ptr, b_ptr, y_ptr, M, N, K, n_split, row_words, stride_ym,
-                        HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                        ASM: tl.constexpr):
-    """A few activation rows (batched decode, verify blocks) of a Q4_K weight against their int8 workspaces:
-    per 32-column sub-block one int8 tensor-core dot of the rows' int8 x with the weights' nibbles (low
-    nibbles: sub-block 2ci, high: 2ci + 1), scaled by dx per row and d * scale per weight row, less the dmin
-    term on the exact sums of x. Program (i, 0, j) covers super-blocks j * n_split .. (j + 1) * n_split.
+def _q4k_tile_block(acc, sb, w32, w8, xrow, dxrow, sxrow, j, ASM: tl.constexpr):
+    """acc [BM, BN] += super-block sb of the weight rows (w32 / w8: int32 and byte pointers [1, BN]) against the
+    activation rows' workspaces: one int8 tensor-core dot per 32-column sub-block (low nibbles: sub-block 2ci,
+    high: 2ci + 1), scaled by dx per row and d * scale per weight row, less the dmin term on the exact sums of x.
     Each header word is loaded as its own [1, BN] row (L1 hits after the first): the scales are then computed
     in the dot's layout, where one [4, BN] load reduced per word had cost two shared-memory layout conversions
     per sub-block (1.23x slower on Qwen3-8B's gate|up at 16 rows, H200)."""
+    w0 = tl.load(w32 + sb * 36)  # d | dmin, then the 12 bytes of 6-bit scales and mins
+    s0 = tl.load(w32 + sb * 36 + 1)
+    s1 = tl.load(w32 + sb * 36 + 2)
+    s2 = tl.load(w32 + sb * 36 + 3)
+    d = _h16(w0, 0)
+    dmin = _h16(w0, 16)
+    for ci in tl.static_range(4):
+        sc0, mn0, sc1, mn1 = _q4k_chunk_scales(s0, s1, s2, ci)
+        qb = tl.load(w8 + (sb * 144 + 16 + ci * 32) + j[:, None])  # [32, BN] bytes
+        xc = xrow + (sb * 256 + ci * 64) + j[None, :]
+        dlo = tl.dot(tl.load(xc), _nibbles(qb, False, ASM))  # [BM, BN] int32
+        dhi = tl.dot(tl.load(xc + 32), _nibbles(qb, True, ASM))
+        sub = sb * 8 + 2 * ci
+        acc += _ifloat(dlo) * (tl.load(dxrow + sub) * (d * _ifloat(sc0)))
+        acc += _ifloat(dhi) * (tl.load(dxrow + sub + 1) * (d * _ifloat(sc1)))
+        acc -= tl.load(sxrow + sub) * (dmin * _ifloat(mn0)) + tl.load(sxrow + sub + 1) * (dmin * _ifloat(mn1))
+    return acc
+
+
+@triton.jit
+def _qmm_q4k_q8x_kernel(ws_ptr, w_ptr, b_ptr, y_ptr, M, N, K, n_split, row_words, stride_ym,
+                        HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                        NB: tl.constexpr, ASM: tl.constexpr):
+    """A few activation rows (batched decode, verify blocks) of a Q4_K weight against their int8 workspaces
+    (_q4k_tile_block), NB super-blocks a loop step (more loads in flight per program). Program (i, 0, j) covers
+    super-blocks j * n_split .. (j + 1) * n_split (n_split % NB == 0)."""
     rm = tl.arange(0, BM)
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     lo = tl.program_id(2) * n_split
@@ -781,33 +804,42 @@ def _qmm_q4k_q8x_kernel(ws_ptr, w_ptr, b_ptr, y_ptr, M, N, K, n_split, row_words
     w8 = w_ptr + rows[None, :] * (4 * row_words)
     j = tl.arange(0, 32)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for sb in range(lo, lo + n_split):
-        w0 = tl.load(w32 + sb * 36)  # d | dmin, then the 12 bytes of 6-bit scales and mins
-        s0 = tl.load(w32 + sb * 36 + 1)
-        s1 = tl.load(w32 + sb * 36 + 2)
-        s2 = tl.load(w32 + sb * 36 + 3)
-        d = _h16(w0, 0)
-        dmin = _h16(w0, 16)
-        for ci in tl.static_range(4):
-            sc0, mn0, sc1, mn1 = _q4k_chunk_scales(s0, s1, s2, ci)
-            qb = tl.load(w8 + (sb * 144 + 16 + ci * 32) + j[:, None])  # [32, BN] bytes
-            xc = xrow + (sb * 256 + ci * 64) + j[None, :]
-            dlo = tl.dot(tl.load(xc), _nibbles(qb, False, ASM))  # [BM, BN] int32
-            dhi = tl.dot(tl.load(xc + 32), _nibbles(qb, True, ASM))
-            sub = sb * 8 + 2 * ci
-            acc += _ifloat(dlo) * (tl.load(dxrow + sub) * (d * _ifloat(sc0)))
-            acc += _ifloat(dhi) * (tl.load(dxrow + sub + 1) * (d * _ifloat(sc1)))
-            acc -= tl.load(sxrow + sub) * (dmin * _ifloat(mn0)) + tl.load(sxrow + sub + 1) * (dmin * _ifloat(mn1))
+    for g in range(lo, lo + n_split, NB):
+        for u in tl.static_range(NB):
+            acc = _q4k_tile_block(acc, g + u, w32, w8, xrow, dxrow, sxrow, j, ASM)
     _store_tile(y_ptr, b_ptr, acc, rm, rn, m_ok, n_mask, M, N, stride_ym, HAS_BIAS, PARTIAL)
 
 
 @triton.jit
+def _q6k_tile_block(acc, sb, w8, xrow, dxrow, j, first):
+    """acc [BM, BN] += super-block sb of the weight rows (byte pointers w8 [1, BN]) against the activation rows'
+    int8 x: per 32 columns (group g of half h: ql byte 64h + 32(g & 1) + l, nibble g >> 1, with bits 2g..2g+1 of
+    qh byte 32h + l) the 6-bit values less 32 as int8, one int8 tensor-core dot per 16-column scale (the other 16
+    columns zeroed: a dot is 32 deep), times dx per row and d * scale per weight row. d and the scales are loaded
+    unmasked (rows are clamped to N - 1), which keeps them in the dot's layout."""
+    blk = w8 + sb * 210
+    d = _f16(blk + 208, True)  # [1, BN]
+    for h in tl.static_range(2):
+        qh = tl.load(blk + 128 + 32 * h + j).to(tl.int32)  # [32, BN]
+        for g in tl.static_range(4):
+            ql = tl.load(blk + 64 * h + 32 * (g & 1) + j).to(tl.int32)
+            v = (((ql >> (4 * (g >> 1))) & 15) | (((qh >> (2 * g)) & 3) << 4)) - 32
+            xg = tl.load(xrow + (sb * 256 + 128 * h + 32 * g) + tl.arange(0, 32)[None, :])  # [BM, 32]
+            dlo = tl.dot(xg, tl.where(first, v, 0).to(tl.int8))
+            dhi = tl.dot(xg, tl.where(first, 0, v).to(tl.int8))
+            sc0 = _i8(blk + 192 + 8 * h + 2 * g, True)  # [1, BN]
+            sc1 = _i8(blk + 193 + 8 * h + 2 * g, True)
+            dx = tl.load(dxrow + (sb * 8 + 4 * h + g))  # [BM, 1]
+            acc += (_ifloat(dlo) * sc0 + _ifloat(dhi) * sc1) * (dx * d)
+    return acc
+
+
+@triton.jit
 def _qmm_q6k_q8x_kernel(ws_ptr, w_ptr, b_ptr, y_ptr, M, N, K, n_split, row_words, stride_ym,
-                        HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
-    """A few activation rows of a Q6_K weight against their int8 workspaces: per 32 columns (group g of half h:
-    ql byte 64h + 32(g & 1) + l, nibble g >> 1, with bits 2g..2g+1 of qh byte 32h + l) the 6-bit values less
-    32 as int8, one int8 tensor-core dot per 16-column scale (the other 16 columns zeroed: a dot is 32 deep),
-    times dx per row and d * scale per weight row. Programs as _qmm_q4k_q8x_kernel."""
+                        HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                        NB: tl.constexpr):
+    """A few activation rows of a Q6_K weight against their int8 workspaces (_q6k_tile_block), NB super-blocks a
+    loop step. Programs as _qmm_q4k_q8x_kernel."""
     rm = tl.arange(0, BM)
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     lo = tl.program_id(2) * n_split
@@ -817,23 +849,10 @@ def _qmm_q6k_q8x_kernel(ws_ptr, w_ptr, b_ptr, y_ptr, M, N, K, n_split, row_words
     xrow, dxrow, _ = _ws_rows(ws_ptr, rm, M, K)
     w8 = w_ptr + rows[None, :] * (4 * row_words)  # [1, BN]
     j = tl.arange(0, 32)[:, None]  # [32, 1]: l
-    first = j < 16
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for sb in range(lo, lo + n_split):
-        blk = w8 + sb * 210
-        d = _f16(blk + 208, True)  # [1, BN] (rows clamped to N - 1: no mask, which keeps the loads in the dot's layout)
-        for h in tl.static_range(2):
-            qh = tl.load(blk + 128 + 32 * h + j).to(tl.int32)  # [32, BN]
-            for g in tl.static_range(4):
-                ql = tl.load(blk + 64 * h + 32 * (g & 1) + j).to(tl.int32)
-                v = (((ql >> (4 * (g >> 1))) & 15) | (((qh >> (2 * g)) & 3) << 4)) - 32
-                xg = tl.load(xrow + (sb * 256 + 128 * h + 32 * g) + tl.arange(0, 32)[None, :])  # [BM, 32]
-                dlo = tl.dot(xg, tl.where(first, v, 0).to(tl.int8))
-                dhi = tl.dot(xg, tl.where(first, 0, v).to(tl.int8))
-                sc0 = _i8(blk + 192 + 8 * h + 2 * g, True)  # [1, BN]
-                sc1 = _i8(blk + 193 + 8 * h + 2 * g, True)
-                dx = tl.load(dxrow + (sb * 8 + 4 * h + g))  # [BM, 1]
-                acc += (_ifloat(dlo) * sc0 + _ifloat(dhi) * sc1) * (dx * d)
+    for g in range(lo, lo + n_split, NB):
+        for u in tl.static_range(NB):
+            acc = _q6k_tile_block(acc, g + u, w8, xrow, dxrow, j, j < 16)
     _store_tile(y_ptr, b_ptr, acc, rm, rn, m_ok, n_mask, M, N, stride_ym, HAS_BIAS, PARTIAL)
 
 
@@ -982,12 +1001,13 @@ Q8X_CANDIDATES["Q4_K"] += [(32, 16, 4, 1, "q8x"), (16, 16, 2, 1, "q8x"), (16, 16
                            (32, 8, 2, 1, "q8x"), (16, 8, 1, 1, "q8x")]
 SMALL_CANDIDATES = [(64, 1, 4, 4), (64, 1, 4, 1), (64, 1, 4, 8), (32, 1, 4, 4)]
 # The int8 tensor-core small-batch kernels (Q4_K, Q6_K, Q8_0): (BN, 1, warps, split, "q8x").
-SMALL_Q8X_CANDIDATES = {"Q6_K": [(64, 1, 4, 4, "q8x"), (32, 1, 4, 4, "q8x"), (64, 1, 4, 2, "q8x"),
-                                 (128, 1, 4, 4, "q8x"), (32, 1, 4, 8, "q8x"), (64, 1, 8, 4, "q8x"),
-                                 (32, 1, 2, 4, "q8x")]}
-SMALL_Q8X_CANDIDATES["Q8_0"] = SMALL_Q8X_CANDIDATES["Q6_K"]
-# Q4_K's also without a split: its fastest at 16 rows on 24576 x 4096 (61 us, H200).
-SMALL_Q8X_CANDIDATES["Q4_K"] = SMALL_Q8X_CANDIDATES["Q6_K"] + [(64, 1, 4, 1, "q8x"), (128, 1, 4, 1, "q8x")]
+# The K-quant tiles' NB is super-blocks a loop step (2: twice the loads in flight per program; not yet timed).
+_TILES = [(64, 1, 4, 4, "q8x"), (32, 1, 4, 4, "q8x"), (64, 1, 4, 2, "q8x"), (128, 1, 4, 4, "q8x"),
+          (32, 1, 4, 8, "q8x"), (64, 1, 8, 4, "q8x"), (32, 1, 2, 4, "q8x")]
+SMALL_Q8X_CANDIDATES = {"Q8_0": _TILES, "Q6_K": _TILES + [(64, 2, 4, 2, "q8x")],
+                        # Q4_K's also without a split: its fastest at 16 rows on 24576 x 4096 (61 us, H200)
+                        "Q4_K": _TILES + [(64, 1, 4, 1, "q8x"), (128, 1, 4, 1, "q8x"), (64, 2, 4, 1, "q8x"),
+                                          (64, 2, 4, 2, "q8x")]}
 Config = tuple  # (BN, NB, num_warps, split), with a fifth "q8x" for the int8-activation gemvs
 TUNED: dict[tuple[str, str, int, int], Config] = {}
 SMALL_BM = 16
@@ -1047,7 +1067,7 @@ def _launch_words(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None, ou
                                                         XBF16=X_PAIRS and x.dtype == torch.bfloat16, **common)
     elif variant == ["q8x"]:  # 2 <= m <= SMALL_MAX: one tile of all the rows
         kernel = {"Q4_K": _qmm_q4k_q8x_kernel, "Q6_K": _qmm_q6k_q8x_kernel, "Q8_0": _qmm_q80_q8x_kernel}[w.qtype]
-        extra = {"ASM": x.is_cuda} if w.qtype == "Q4_K" else {}
+        extra = {"Q4_K": {"ASM": x.is_cuda, "NB": nb}, "Q6_K": {"NB": nb}}.get(w.qtype, {})
         kernel[(triton.cdiv(n, bn), 1, split)](
             quantize_x(x), w.data, b, y, m, n, k, n_blk // split, w.data.shape[1] // 4, out.stride(0),
             HAS_BIAS=bias is not None, PARTIAL=split > 1, BM=SMALL_BM if m <= SMALL_BM else SMALL_MAX, BN=bn,
