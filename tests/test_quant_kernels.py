@@ -420,3 +420,42 @@ def test_quantize_x_with_act_equals_act_mul_then_quantize(act) -> None:
     assert ours.shape == ref.shape == (3, 96 // 4 + 96 // 8)
     assert torch.equal(ours, ref)
     assert not torch.equal(ours, qmm.quantize_x(gate_up[:, :96].contiguous()))  # the act was applied
+
+
+@pytest.mark.parametrize("m", [1, 5])
+def test_one_int8_workspace_serves_concat_parts_and_the_ffn_down(monkeypatch, m: int) -> None:
+    """Where the tuner chose the int8-activation kernels, ConcatLinear quantizes its input once for all its parts
+    (q, k and v of different types) and a dense FFN's down projection takes quantize_x(gate_up, act)'s workspace
+    (int8_workspace): the same outputs, bit for bit, as one workspace per call from the activated rows. Where a
+    weight's kernel reads x (a float config) no workspace is made, and passing one is refused."""
+    from lucebox.engine.kernels import triton_ops
+    from lucebox.engine.models.layers import ConcatLinear, Linear, down_of_gate_up
+
+    monkeypatch.setattr(linear, "ON_CPU", not CUDA)
+    monkeypatch.setattr(triton_ops, "ON_CPU", not CUDA)
+    k = 1024
+
+    def quantized(qtype: str, n: int, seed: int) -> Linear:
+        lin = Linear(k, n)
+        lin.set_quant(random_weight(qtype, n, k, seed=seed).to(DEVICE), DTYPE)
+        return lin
+
+    parts = [quantized("Q4_K", 48, 21), quantized("Q6_K", 16, 22)]
+    down = quantized("Q4_K", 40, 23)
+    gen = torch.Generator().manual_seed(m)
+    x = torch.randn(m, k, generator=gen).to(DEVICE, DTYPE)
+    gate_up = torch.randn(m, 2 * k, generator=gen).to(DEVICE, DTYPE)
+    assert linear.int8_workspace(x, [p.quant for p in parts]) is None  # nothing tuned: the kernels read x
+    assert down_of_gate_up(down, gate_up, "silu") is None
+    for w in [p.quant for p in parts] + [down.quant]:
+        monkeypatch.setitem(qmm.TUNED, (qmm._kind(m), w.qtype, *w.shape), (16, 1, 4, 1, "q8x"))
+    ours = ConcatLinear(parts)(x)
+    assert torch.equal(ours, torch.cat([qmm.qmatmul(x, p.quant) for p in parts], dim=1))
+    activated = triton_ops.act_mul(gate_up, "silu").contiguous()
+    assert torch.equal(down_of_gate_up(down, gate_up, "silu"), qmm.qmatmul(activated, down.quant))
+    own = torch.cat([i8_reference(activated[i], down.quant) for i in range(m)])  # the int8 arithmetic in torch
+    assert rel_err(down_of_gate_up(down, gate_up, "silu"), own.to(DEVICE)) < (1e-2 if CUDA else 1e-6)
+    monkeypatch.setitem(qmm.TUNED, (qmm._kind(m), "Q4_K", 40, k), (16, 1, 4, 1))  # a float config: reads x
+    assert down_of_gate_up(down, gate_up, "silu") is None
+    with pytest.raises(ValueError, match="int8 workspace"):
+        qmm.qmatmul(x, down.quant, ws=qmm.quantize_x(x))

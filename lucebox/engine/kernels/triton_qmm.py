@@ -1039,10 +1039,21 @@ def _kind(m: int) -> str:
     return "gemv" if m == 1 else "small" if m <= SMALL_BM else "wide"
 
 
+def int8_x(m: int, w: QuantWeight) -> bool:
+    """Whether qmatmul runs `w` at m activation rows on the int8-activation kernels, which read x as its
+    quantize_x workspace. A caller that has the rows' workspace already (one x for several weights, or
+    quantize_x's fused activation) passes it as `ws` and saves a launch and a pass over x."""
+    if not 1 <= m <= SMALL_MAX or w.qtype not in WORD_TYPES or w.data.shape[1] % 4 or w.data.data_ptr() % 4:
+        return False
+    cfg = TUNED.get((_kind(m), w.qtype, *w.shape))
+    return cfg is not None and cfg[-1] == "q8x"
+
+
 def _launch_words(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None, out: torch.Tensor,
-                  cfg: Config | None = None) -> None:
+                  cfg: Config | None = None, ws: torch.Tensor | None = None) -> None:
     """The word-wise gemv (one row) or small-batch tile kernel (SMALL_BM rows per program), split over the
-    columns in `split` parts when that fills the GPU better (then one more small kernel sums the parts)."""
+    columns in `split` parts when that fills the GPU better (then one more small kernel sums the parts).
+    `ws`: x's int8 workspace (quantize_x), given when the config is an int8-activation one (int8_x)."""
     qid, block = WORD_TYPES[w.qtype]
     m, k = x.shape
     n = w.data.shape[0]
@@ -1051,6 +1062,10 @@ def _launch_words(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None, ou
     if cfg is None:
         cfg = TUNED.get((kind, w.qtype, n, k)) or (GEMV_DEFAULT if m == 1 else SMALL_DEFAULT)[w.qtype]
     bn, nb, warps, split, *variant = cfg  # variant ("q8x",): the int8-activation gemv
+    if ws is not None and variant != ["q8x"]:
+        raise ValueError(f"an int8 workspace was given for {w.qtype} {n}x{k} at {m} rows, whose kernel reads x")
+    if variant == ["q8x"] and ws is None:
+        ws = quantize_x(x)
     nb = _blocks_per_step(w.qtype, n_blk, nb)
     while split > 1 and (n_blk // nb) % split:
         split -= 1
@@ -1060,7 +1075,7 @@ def _launch_words(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None, ou
     if m == 1 and variant == ["q8x"]:
         kernel = {"Q4_K": _gemv_q4k_q8x_kernel, "Q6_K": _gemv_q6k_q8x_kernel, "Q8_0": _gemv_q80_q8x_kernel}[w.qtype]
         del common["QTYPE"]
-        kernel[(triton.cdiv(n, bn), split)](quantize_x(x), w.data, b, y, n, k, n_blk // split, w.data.shape[1], x, 1,
+        kernel[(triton.cdiv(n, bn), split)](ws, w.data, b, y, n, k, n_blk // split, w.data.shape[1], x, 1,
                                             0, 0, X_PER_ROW=1, MOE=False, ASM=x.is_cuda, **common)
     elif m == 1:
         _gemv_words_kernel[(triton.cdiv(n, bn), split)](x, w.data, b, y, n, n_blk // split, w.data.shape[1] // 4,
@@ -1069,7 +1084,7 @@ def _launch_words(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None, ou
         kernel = {"Q4_K": _qmm_q4k_q8x_kernel, "Q6_K": _qmm_q6k_q8x_kernel, "Q8_0": _qmm_q80_q8x_kernel}[w.qtype]
         extra = {"Q4_K": {"ASM": x.is_cuda, "NB": nb}, "Q6_K": {"NB": nb}}.get(w.qtype, {})
         kernel[(triton.cdiv(n, bn), 1, split)](
-            quantize_x(x), w.data, b, y, m, n, k, n_blk // split, w.data.shape[1] // 4, out.stride(0),
+            ws, w.data, b, y, m, n, k, n_blk // split, w.data.shape[1] // 4, out.stride(0),
             HAS_BIAS=bias is not None, PARTIAL=split > 1, BM=SMALL_BM if m <= SMALL_BM else SMALL_MAX, BN=bn,
             num_warps=warps, **extra)
     else:
@@ -1229,9 +1244,10 @@ def dequantize_rows(w: QuantWeight, start: int, stop: int, dtype: torch.dtype,
 
 
 def qmatmul(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
-            out: torch.Tensor | None = None) -> torch.Tensor:
+            out: torch.Tensor | None = None, ws: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ dequantize(w).T (+ bias) -> [M, N] in x's dtype; `out` may be a column slice of a wider
-    [M, *] tensor (written through its row stride).
+    [M, *] tensor (written through its row stride). `ws`: the rows' int8 workspace, only where int8_x(M, w)
+    (then x gives the shape, dtype and device; its values are not read).
 
     Fused kernels (weight bytes read once, dequantized in registers) for one row, and for up to SMALL_MAX
     rows of the word-wise types; otherwise slices of at most SCRATCH_ELEMS weight elements are dequantized
@@ -1246,6 +1262,11 @@ def qmatmul(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
     if out is None:
         out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     if m == 0:  # a step with no logit rows: the int8 kernels would read row M - 1 = -1 (an illegal access)
+        return out
+    if ws is not None:
+        if not int8_x(m, w):
+            raise ValueError(f"an int8 workspace was given for {w.qtype} {n}x{k} at {m} rows, whose kernel reads x")
+        _launch_words(x, w, bias, out, ws=ws)
         return out
     if m < PREFILL_ROWS or x.device.type != "cuda" or (m <= SMALL_MAX and _word_ok(x, w, out)):
         _launch_fused(x, w, bias, out)

@@ -40,6 +40,7 @@ from lucebox.engine.models.layers import (
     RMSNorm,
     Rotary,
     apply_rotary,
+    down_of_gate_up,
     fuse_linears,
     gated_act,
     rope_inv_freq,
@@ -200,7 +201,13 @@ class DecoderBlock(nn.Module):
         post = self.post_attention_norm.weight if hasattr(self, "post_attention_norm") else None
         x, residual = ops.add_rms_norm(a, residual, self.ffn_norm.weight, self.ffn_norm.eps, x_weight=post)
         # A mixture of experts runs its eager path here (models/moe.py).
-        m = self.moe(x) if self.moe is not None else self.ffn_down(ops.act_mul(self.ffn_gate_up(x), self.act))
+        if self.moe is not None:
+            m = self.moe(x)
+        else:
+            gate_up = self.ffn_gate_up(x)
+            m = down_of_gate_up(self.ffn_down, gate_up, self.act)  # one launch fewer on the int8 kernels
+            if m is None:
+                m = self.ffn_down(ops.act_mul(gate_up, self.act))
         if hasattr(self, "post_ffw_norm"):
             m = ops.rms_norm(m, self.post_ffw_norm.weight, self.post_ffw_norm.eps)
         return m, residual

@@ -18,6 +18,7 @@ from torch import nn
 from lucebox.engine.kernels import triton_ops
 from lucebox.engine.models.config import RopeScaling
 from lucebox.engine.weights.quant import QuantWeight, qlinear
+from lucebox.engine.weights.quant.linear import int8_workspace, use_kernels
 
 
 class _MaybeQuant(nn.Module):
@@ -101,7 +102,8 @@ class ConcatLinear(nn.Module):
     hold weights of different quant types (a Q4_K_M file stores attn_v as Q6_K, attn_q as Q4_K).
 
     On CPU the parts are dequantized and concatenated into one weight for one matmul, exactly what a
-    dense fused weight computes; on CUDA each part's kernel writes its columns of one output.
+    dense fused weight computes; on CUDA each part's kernel writes its columns of one output, the input
+    quantized to int8 once for all of them where their kernels read it so (int8_workspace).
     """
 
     def __init__(self, parts: list[Linear]) -> None:
@@ -112,16 +114,17 @@ class ConcatLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         parts: list[Linear] = list(self.parts)  # type: ignore[arg-type]
-        if not x.is_cuda or x.dim() != 2:
+        if not use_kernels(x) or x.dim() != 2:
             weight = torch.cat([p.quant.dequantize(x.dtype) if p.qtype else p.weight.to(x.dtype) for p in parts])
             bias = None if parts[0].bias is None else torch.cat([p.bias for p in parts])  # type: ignore[misc]
             return F.linear(x, weight, bias)
         out = torch.empty(x.shape[0], self.out_features, device=x.device, dtype=x.dtype)
+        ws = int8_workspace(x, [p.quant for p in parts if p.qtype is not None])  # x quantized once for all parts
         col = 0
         for p in parts:
             cols = out[:, col:col + p.out_features]
             if p.qtype is not None:
-                qlinear(x, p.quant, p.bias, out=cols)
+                qlinear(x, p.quant, p.bias, out=cols, ws=ws)
             else:
                 cols.copy_(F.linear(x, p.weight, p.bias))
             col += p.out_features
@@ -224,6 +227,18 @@ class Rotary(nn.Module):
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.attn_factor).to(dtype), (emb.sin() * self.attn_factor).to(dtype)
+
+
+def down_of_gate_up(down: Linear, gate_up: torch.Tensor, act: str) -> torch.Tensor | None:
+    """down(act(gate) * up) where the quantized kernels read down's input as int8: the activation, its rounding
+    and the int8 quantization in one launch (int8_workspace with `act`), the activated rows never written.
+    None where they do not (the caller runs act_mul and down)."""
+    if getattr(down, "qtype", None) is None:
+        return None
+    ws = int8_workspace(gate_up, [down.quant], act)
+    if ws is None:
+        return None
+    return qlinear(gate_up[:, :down.in_features], down.quant, down.bias, ws=ws)
 
 
 def gated_act(gate: torch.Tensor, up: torch.Tensor, act: str = "silu") -> torch.Tensor:

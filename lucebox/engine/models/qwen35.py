@@ -46,7 +46,15 @@ from lucebox.engine.kernels import triton_deltanet, triton_ops
 from lucebox.engine.kernels.attention import AttentionMetadata, paged_attention
 from lucebox.engine.models.config import ModelConfig
 from lucebox.engine.models.decoder import DecoderModel, Rope
-from lucebox.engine.models.layers import Embedding, Linear, RMSNorm, apply_rotary, fuse_linears, gated_act
+from lucebox.engine.models.layers import (
+    Embedding,
+    Linear,
+    RMSNorm,
+    apply_rotary,
+    down_of_gate_up,
+    fuse_linears,
+    gated_act,
+)
 from lucebox.engine.models.moe import MoE
 from lucebox.engine.runtime.recurrent_state import StateRows
 
@@ -99,6 +107,9 @@ class _Block(nn.Module):
         if self.moe is not None:
             return h + self.moe(x)
         gate_up = self.ffn_gate_up(x)
+        down = down_of_gate_up(self.ffn_down, gate_up, "silu") if fused else None
+        if down is not None:
+            return h + down
         return h + self.ffn_down(triton_ops.act_mul(gate_up, "silu") if fused else gated_act(*gate_up.chunk(2, -1)))
 
 

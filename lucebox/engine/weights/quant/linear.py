@@ -41,6 +41,19 @@ def warm_up(model: torch.nn.Module) -> dict:
         m.dtype for m in model.modules() if getattr(m, "qtype", None) is not None))
 
 
+def int8_workspace(x: torch.Tensor, weights: list[QuantWeight], act: str | None = None) -> torch.Tensor | None:
+    """x's int8 workspace (triton_qmm.quantize_x) when every one of `weights` reads its rows as one at x's row
+    count (the int8-activation kernels the start-up tuner chose), else None. Computed once, it serves them all:
+    q, k and v of different quant types quantize their shared input once, not three times. With `act`, x is
+    gate_up and the workspace is that of act(gate) * up (triton_ops.act_mul's rows, bit for bit), so a dense
+    FFN's down projection never writes its activated input."""
+    if not weights or x.dim() != 2 or not use_kernels(x) or x.stride(-1) != 1:
+        return None
+    if not all(triton_qmm.int8_x(x.shape[0], w) for w in weights):
+        return None
+    return triton_qmm.quantize_x(x, act)
+
+
 def summary(tuned: dict) -> str:
     """What `warm_up` chose, in a few words: how many weight shapes and paths, how many on int8 activations."""
     int8 = sum(1 for cfg in tuned.values() if "q8x" in cfg)
@@ -48,16 +61,19 @@ def summary(tuned: dict) -> str:
 
 
 def qlinear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
-            out: torch.Tensor | None = None) -> torch.Tensor:
+            out: torch.Tensor | None = None, ws: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ dequantize(w).T (+ bias) -> [..., N] in x's dtype.
 
     Off CUDA the weight is dequantized for this call only (exact in fp32, so the CPU result equals a dense
-    fp32 weight's) and dropped after it. `out` (2-D x only) receives the result, e.g. a column slice.
+    fp32 weight's) and dropped after it. `out` (2-D x only) receives the result, e.g. a column slice. `ws`:
+    x's int8 workspace where `int8_workspace` gave one (then x's values are not read).
     """
     if use_kernels(x):
         lead = x.shape[:-1]
-        y = triton_qmm.qmatmul(x.reshape(-1, x.shape[-1]), w, bias, out)
+        y = triton_qmm.qmatmul(x.reshape(-1, x.shape[-1]), w, bias, out, ws)
         return y if out is not None else y.reshape(*lead, y.shape[-1])
+    if ws is not None:
+        raise ValueError("qlinear: an int8 workspace without the quantized kernels")
     y = F.linear(x, w.dequantize(x.dtype), bias)
     if out is not None:
         out.copy_(y)
