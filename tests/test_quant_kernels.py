@@ -455,6 +455,18 @@ def test_one_int8_workspace_serves_concat_parts_and_the_ffn_down(monkeypatch, m:
     assert torch.equal(down_of_gate_up(down, gate_up, "silu"), qmm.qmatmul(activated, down.quant))
     own = torch.cat([i8_reference(activated[i], down.quant) for i in range(m)])  # the int8 arithmetic in torch
     assert rel_err(down_of_gate_up(down, gate_up, "silu"), own.to(DEVICE)) < (1e-2 if CUDA else 1e-6)
+    # A tensor-parallel shard of down (RowParallelLinear) still sums its partial product over the ranks: the
+    # fused path goes through the module. The ranks stand in as a sum that doubles (two equal shards).
+    from lucebox.engine.parallel.shard import RowParallelLinear
+
+    class TwoRanks:
+        def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+            return t * 2
+
+    shard = RowParallelLinear(k, 40)
+    shard.__dict__["comm"] = TwoRanks()
+    shard.set_quant(down.quant, DTYPE)
+    assert torch.equal(down_of_gate_up(shard, gate_up, "silu"), 2 * qmm.qmatmul(activated, down.quant))
     monkeypatch.setitem(qmm.TUNED, (qmm._kind(m), "Q4_K", 40, k), (16, 1, 4, 1))  # a float config: reads x
     assert down_of_gate_up(down, gate_up, "silu") is None
     with pytest.raises(ValueError, match="int8 workspace"):

@@ -68,9 +68,12 @@ class Linear(_MaybeQuant):
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ws: torch.Tensor | None = None) -> torch.Tensor:
+        """`ws`: x's int8 workspace (int8_workspace), for a quantized weight whose kernel reads x as int8."""
         if self.qtype is not None:
-            return qlinear(x, self.quant, self.bias)
+            return qlinear(x, self.quant, self.bias, ws=ws)
+        if ws is not None:
+            raise ValueError("Linear: an int8 workspace for a dense weight")
         if self.bias is None and triton_ops.small_linear_ok(x, self.weight):
             return triton_ops.small_linear(x, self.weight)
         return F.linear(x, self.weight, self.bias)
@@ -238,7 +241,7 @@ def down_of_gate_up(down: Linear, gate_up: torch.Tensor, act: str) -> torch.Tens
     ws = int8_workspace(gate_up, [down.quant], act)
     if ws is None:
         return None
-    return qlinear(gate_up[:, :down.in_features], down.quant, down.bias, ws=ws)
+    return down(gate_up[:, :down.in_features], ws=ws)  # through the module: a tensor-parallel shard sums its part
 
 
 def gated_act(gate: torch.Tensor, up: torch.Tensor, act: str = "silu") -> torch.Tensor:

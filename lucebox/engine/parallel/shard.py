@@ -43,8 +43,8 @@ class RowParallelLinear(Linear):
 
     comm: Comm
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.comm.all_reduce(super().forward(x))
+    def forward(self, x: torch.Tensor, ws: torch.Tensor | None = None) -> torch.Tensor:
+        return self.comm.all_reduce(super().forward(x, ws))
 
 
 class VocabParallelEmbedding(Embedding):
