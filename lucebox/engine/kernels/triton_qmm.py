@@ -978,8 +978,9 @@ WORD_TYPES = {"Q4_K": (5, 256), "Q6_K": (7, 256), "Q8_0": (4, 32)}
 # config: one row Q4_K 4096x4096 9.9 / 8.3 us, 24576x4096 45.7 / 27.4 us (1.24 / 2.07 TB/s), Q6_K 151936x4096
 # 290 / 236 us, Q8_0 24576x4096 68 / 31 us (1.58 / 3.41 TB/s); 16 rows Q4_K 24576x4096 117 / 76 us, Q6_K
 # 151936x4096 1,607 / 717 us. bf16 cuBLAS on the dense weight: 3.3-4.1 TB/s. The int8 tiles since 2026-12-04
-# (header words per row, nibbles four a register, int32 dots made fp32 by _ifloat): 16 / 32 rows Q4_K 24576x4096
-# 61.6 / 100.5 us (were 75.7 / 133.1 in the same lease), Q6_K 151936x4096 601 / 815 us (were 635 / 867).
+# (header words per row, nibbles four a register, int32 dots made fp32 by _ifloat): 16 rows Q4_K 24576x4096
+# 75.4 -> 61.1 us and 4096x4096 19.6 -> 16.0 us in one run; 32 rows 133.1 -> 100.5 us across two runs; Q6_K
+# 151936x4096 16 / 32 rows 635 / 867 -> 601 / 815 us in one run.
 GEMV_DEFAULT = {"Q4_K": (16, 1, 4, 4), "Q6_K": (8, 2, 4, 4), "Q8_0": (8, 2, 4, 1)}
 SMALL_DEFAULT = {"Q4_K": (64, 1, 4, 4), "Q6_K": (64, 1, 4, 4), "Q8_0": (64, 1, 4, 4)}
 GEMV_CANDIDATES = [(16, 1, 4, 4), (16, 1, 2, 4), (8, 2, 4, 4), (8, 2, 4, 1), (16, 1, 4, 1), (4, 2, 4, 1)]
