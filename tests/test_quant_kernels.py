@@ -265,6 +265,15 @@ def test_warm_up_never_keeps_a_config_that_computes_wrong(monkeypatch) -> None:
     assert qmm.TUNED == tuned and len(calls) == 1
 
 
+def quantize_like_the_kernel(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x's 32-column blocks as quantize_x makes them, in its fp32 arithmetic (a double product can round a value
+    near a half the other way): (absmax [k/32, 1], int8 values [k/32, 32]), both as float64."""
+    xs = x.float().cpu().view(k // 32, 32)
+    amax = xs.abs().amax(-1, keepdim=True)
+    v = xs * torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return amax.double(), torch.where(v >= 0, v + 0.5, v - 0.5).trunc().double()
+
+
 def i8_reference(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     """The int8-activation Q4_K gemv's arithmetic in torch: x quantized per 32 columns (absmax / 127, rounded
     half away from zero), integer dots with the nibbles, the block scales, the dmin term on the exact x."""
@@ -286,9 +295,8 @@ def i8_reference(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
             mn[..., j] = (sc_raw[..., j + 4] >> 4) | ((sc_raw[..., j] >> 6) << 4)
     q = torch.stack([qs & 15, qs >> 4], dim=3).reshape(n, k // 256, 8, 32)  # sub-block 2c + s
     xs = x.double().cpu().view(k // 256, 8, 32)
-    amax = xs.abs().amax(-1, keepdim=True)
-    v = xs * torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
-    xq = torch.where(v >= 0, v + 0.5, v - 0.5).trunc()
+    amax, xq = quantize_like_the_kernel(x, k)
+    amax, xq = amax.view(k // 256, 8, 1), xq.view(k // 256, 8, 32)
     dots = (q.double() * xq).sum(-1)  # [n, blocks, 8]
     y = (d * sc * dots * (amax[..., 0] / 127.0) - dmin * mn * xs.sum(-1)).sum((1, 2))
     return y[None]
@@ -298,22 +306,21 @@ def i8_reference_q6k(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     """The int8-activation Q6_K gemv's arithmetic: every weight is d * scale * (q - 32), exact in the dequantized
     weight, so the kernel's sum is sum over 32-column blocks of dx * sum_j w_j * xq_j."""
     n, k = w.shape
-    xs = x.double().cpu().view(k // 32, 32)
-    amax = xs.abs().amax(-1, keepdim=True)
-    v = xs * torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
-    xq = torch.where(v >= 0, v + 0.5, v - 0.5).trunc()
+    amax, xq = quantize_like_the_kernel(x, k)
     dense = w.dequantize().double().cpu().view(n, k // 32, 32)
     return ((dense * xq).sum(-1) * (amax[:, 0] / 127.0)).sum(-1)[None]
 
 
 @pytest.mark.parametrize("qtype,cfg", [(q, c) for q in ("Q4_K", "Q6_K") for c in [
     (4, 2, 1, 1, "q8x"), (8, 4, 4, 2, "q8x"), (16, 1, 2, 4, "q8x")]] + [
-    ("Q8_0", (4, 1, 1, 1, "q8x")), ("Q8_0", (8, 2, 4, 2, "q8x"))])
+    ("Q8_0", (4, 1, 1, 1, "q8x")), ("Q8_0", (8, 2, 4, 2, "q8x"))] + [
+    (q, c) for q in ("Q4_K", "Q6_K") for c in [(4, 2, 1, 1, "q8l"), (8, 4, 4, 2, "q8l"), (2, 16, 2, 1, "q8l")]])
 def test_int8_activation_gemv(qtype: str, cfg) -> None:
     """The Q4_K / Q6_K / Q8_0 gemvs with int8 activations (dp4a on CUDA, the same sum by shifts under the
     interpreter) equal their own arithmetic done in torch, and stay within bf16-like error of the exact product;
     split-K and bias; rows not a multiple of the rows a program takes; Q6_K / Q8_0 rows of an even number of
-    blocks (every other block 2 bytes into a word)."""
+    blocks (every other block 2 bytes into a word); the coalesced gemvs ("q8l": 8 lanes a super-block, NB cut to
+    the row's 4 super-blocks) the same sums in another order."""
     n, k = 40, 256 * 4
     w = random_weight(qtype, n, k, seed=11).to(DEVICE)
     x = torch.randn(1, k, device=DEVICE).to(DTYPE)
@@ -390,7 +397,7 @@ def test_bench_qmm_measures_every_matrix_type_and_row_count(monkeypatch, tmp_pat
         len(fn.__defaults__[0]) if fn.__defaults__ and isinstance(fn.__defaults__[0], tuple) else 0, 3.0))[-1])
     mats = [m for m in bench_qmm.matrices("tiny", 512) if m[0] == "attn_q"]
     out = tmp_path / "qmm.json"
-    monkeypatch.setattr(bench_qmm, "sweep_configs", lambda: [(4, 2, 1, 1, "q8x"), (8, 1, 1, 1, "q8x")])
+    monkeypatch.setattr(bench_qmm, "sweep_configs", lambda qtype: [(4, 2, 1, 1, "q8x"), (8, 1, 1, 1, "q8x")])
     args = argparse.Namespace(shape="tiny", json=out, sweep=sweep)
     assert bench_qmm.run(args, ["Q4_K", "Q6_K", "Q8_0"], [1, 2], mats, torch.device(DEVICE)) == 0
     results = json.loads(out.read_text())["results"]
@@ -427,9 +434,10 @@ def test_one_int8_workspace_serves_concat_parts_and_the_ffn_down(monkeypatch, m:
     """Where the tuner chose the int8-activation kernels, ConcatLinear quantizes its input once for all its parts
     (q, k and v of different types) and a dense FFN's down projection takes quantize_x(gate_up, act)'s workspace
     (int8_workspace): the same outputs, bit for bit, as one workspace per call from the activated rows. Where a
-    weight's kernel reads x (a float config) no workspace is made, and passing one is refused."""
+    weight's kernel reads x (a float config) no workspace is made for it alone, a module offered one reads x, and
+    qmatmul refuses one."""
     from lucebox.engine.kernels import triton_ops
-    from lucebox.engine.models.layers import ConcatLinear, Linear, down_of_gate_up
+    from lucebox.engine.models.layers import ConcatLinear, Linear, down_of_gate_up, int8_input
 
     monkeypatch.setattr(linear, "ON_CPU", not CUDA)
     monkeypatch.setattr(triton_ops, "ON_CPU", not CUDA)
@@ -451,6 +459,13 @@ def test_one_int8_workspace_serves_concat_parts_and_the_ffn_down(monkeypatch, m:
         monkeypatch.setitem(qmm.TUNED, (qmm._kind(m), w.qtype, *w.shape), (16, 1, 4, 1, "q8x"))
     ours = ConcatLinear(parts)(x)
     assert torch.equal(ours, torch.cat([qmm.qmatmul(x, p.quant) for p in parts], dim=1))
+    # One part on a kernel that reads x (the tuner's choice for its shape): the workspace is still made for the
+    # other and offered to both; the x reader ignores it.
+    monkeypatch.setitem(qmm.TUNED, (qmm._kind(m), "Q6_K", 16, k), (4, 1, 1, 1) if m == 1 else (16, 1, 4, 1))
+    ws = int8_input(x, [ConcatLinear(parts)])
+    assert ws is not None and torch.equal(parts[1](x, ws=ws), qmm.qmatmul(x, parts[1].quant))
+    assert torch.equal(ConcatLinear(parts)(x), torch.cat([qmm.qmatmul(x, p.quant) for p in parts], dim=1))
+    assert int8_input(x, [parts[1]]) is None  # its only reader reads x
     activated = triton_ops.act_mul(gate_up, "silu").contiguous()
     assert torch.equal(down_of_gate_up(down, gate_up, "silu"), qmm.qmatmul(activated, down.quant))
     own = torch.cat([i8_reference(activated[i], down.quant) for i in range(m)])  # the int8 arithmetic in torch
@@ -471,3 +486,59 @@ def test_one_int8_workspace_serves_concat_parts_and_the_ffn_down(monkeypatch, m:
     assert down_of_gate_up(down, gate_up, "silu") is None
     with pytest.raises(ValueError, match="int8 workspace"):
         qmm.qmatmul(x, down.quant, ws=qmm.quantize_x(x))
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen35"])
+def test_norms_write_the_int8_input_of_the_projections_that_read_it(tiny_gguf, tmp_path, monkeypatch,
+                                                                   arch: str) -> None:
+    """With the int8-activation kernels chosen for every weight (as the GPU's tuner chooses them), a norm's kernel
+    also writes its output's int8 workspace for the projections that read it (layers.int8_input): a Qwen3 Q4_K_M
+    layer's q|k|v (q|k one Q4_K weight beside a Q6_K v: two kernels) and gate|up, a Qwen3.5 Gated DeltaNet
+    layer's qkv, z gate, beta and alpha and (its gated output norm's) ssm_out, its attention layer's q, k and v.
+    The logits equal, bit for bit, those of the same kernels quantizing x themselves, with fewer quantize_x
+    launches."""
+    from lucebox.engine.kernels import triton_ops
+    from lucebox.engine.models import decoder, qwen35
+    from lucebox.engine.models.layers import ConcatLinear
+    from lucebox.engine.runtime.llm_engine import EngineConfig, LLMEngine
+    from lucebox.engine.weights.loader import load_model
+    from tests.fixtures.tiny_models import write_tiny_qwen35_gguf
+
+    if arch == "qwen3":
+        # hidden 512: a Q6_K row of 2 blocks is 420 bytes, a whole number of words (the int8 kernels' rows)
+        path = tiny_gguf("qwen3", "Q4_K", hidden_size=512, layer_qtypes=(("attn_v", "Q6_K"), ("ffn_down", "Q6_K")))
+    else:
+        pytest.importorskip("transformers.models.qwen3_5")
+        # value heads of 32: the gated output norm writes whole int8 blocks a head (ssm_out's input)
+        path = write_tiny_qwen35_gguf(tmp_path / "hybrid.gguf", qtype="Q8_0", linear_value_head_dim=32)
+    monkeypatch.setattr(linear, "ON_CPU", not CUDA)
+    monkeypatch.setattr(triton_ops, "ON_CPU", not CUDA)
+    loaded = load_model(path, device=DEVICE, dtype=DTYPE, quiet=True, quantized=True)
+    model = loaded.model
+    if arch == "qwen3":
+        assert [(p.qtype, p.out_features) for p in model.blk[0].attn_qkv.parts] == [("Q4_K", 4 * 128 + 2 * 128),
+                                                                                     ("Q6_K", 2 * 128)]
+        assert isinstance(model.blk[0].attn_qkv, ConcatLinear)
+    tuned = {}
+    for m in model.modules():
+        if getattr(m, "qtype", None) in qmm.WORD_TYPES:
+            shape = (m.qtype, *m.quant.shape)
+            tuned[("gemv", *shape)] = qmm.Q8X_CANDIDATES[m.qtype][0]
+            tuned[("small", *shape)] = qmm.SMALL_Q8X_CANDIDATES[m.qtype][0]
+    monkeypatch.setattr(qmm, "TUNED", tuned)
+    calls = []
+    real = qmm.quantize_x
+    monkeypatch.setattr(qmm, "quantize_x", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
+    e = LLMEngine(loaded, EngineConfig(device=DEVICE, dtype="float32" if not CUDA else "bfloat16", kv_tokens=512))
+    ids = list(range(3, 8))
+    with torch.no_grad():
+        ours = e.score(ids)
+        fused_calls = len(calls)
+        for module in (decoder, qwen35):
+            monkeypatch.setattr(module, "int8_input", lambda *a, **kw: None)
+        calls.clear()
+        theirs = e.score(ids)
+    assert torch.equal(ours, theirs)
+    # left: the FFN down's (its activation fused in), and the attention output's (a prefill's attention quantizes
+    # its output after; a decode step's merge kernel writes it); a DeltaNet layer's output norm writes ssm_out's
+    assert fused_calls == sum(1 if isinstance(b, qwen35.DeltaNetBlock) else 2 for b in model.blk) < len(calls)

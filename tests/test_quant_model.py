@@ -71,7 +71,8 @@ def test_mixed_types_in_one_projection_run_side_by_side(tiny_gguf) -> None:
     assert gguf_qtype_counts(path).get("Q6_K", 0) >= 4
     blk = engine(path, True).loaded.model.blk[0]
     assert isinstance(blk.attn_qkv, ConcatLinear)
-    assert [p.qtype for p in blk.attn_qkv.parts] == ["Q4_K", "Q4_K", "Q6_K"]
+    # q and k (both Q4_K) fuse into one weight beside v's: two kernels, not three
+    assert [(p.qtype, p.out_features) for p in blk.attn_qkv.parts] == [("Q4_K", 4 * 128 + 2 * 128), ("Q6_K", 2 * 128)]
     assert blk.ffn_gate_up.qtype == "Q4_K" and blk.ffn_down.qtype == "Q6_K"
 
 

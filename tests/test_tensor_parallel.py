@@ -401,3 +401,30 @@ def _alive(pid: int) -> bool:
             return f.read().split()[2] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_a_projection_of_mixed_types_keeps_each_parts_rows():
+    """A fused q|k|v whose parts differ in type is a ConcatLinear of runs (q|k one Q8_0 weight beside a dense v);
+    a rank's shard keeps the rows of its heads from each original part, in order: its output is the full
+    projection's columns of those rows."""
+    from lucebox.engine.models.layers import ConcatLinear, Linear, fuse_linears
+    from lucebox.engine.parallel.shard import _take_parts
+    from tests.test_quant_formats import random_weight
+
+    k = 64
+    parts = []
+    for i, (n, qtype) in enumerate([(32, "Q8_0"), (16, "Q8_0"), (16, None)]):
+        lin = Linear(k, n)
+        if qtype is None:
+            lin.weight = torch.nn.Parameter(torch.randn(n, k, generator=torch.Generator().manual_seed(i)),
+                                            requires_grad=False)
+        else:
+            lin.set_quant(random_weight(qtype, n, k, seed=i), torch.float32)
+        parts.append(lin)
+    fused = fuse_linears(parts)
+    assert isinstance(fused, ConcatLinear) and [p.out_features for p in fused.parts] == [48, 16]
+    x = torch.randn(3, k)
+    full = fused(x)
+    rows = [torch.arange(16, 32), torch.arange(8, 16), torch.arange(8, 16)]  # rank 1 of 2: its q and k/v heads
+    shard = _take_parts(fused, rows, [32, 16, 16])
+    assert torch.equal(shard(x), full[:, torch.cat([rows[0], rows[1] + 32, rows[2] + 48])])

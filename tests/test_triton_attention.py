@@ -54,6 +54,19 @@ def test_kernel_matches_reference(hq, hkv, dim, window):
     ref = reference(q, k_cache, v_cache, tables, positions, page, dim**-0.5, window)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     assert (out.float() - ref).abs().max().item() < tol
+    if dim % 32 == 0:  # with `ws` the merge kernel also writes the rows' int8 workspace (the output projection's)
+        from lucebox.engine.kernels import triton_qmm
+
+        ws = triton_qmm.workspace(bsz, hq * dim, DEVICE)
+        again = triton_attention.decode_attention(q, k_cache, v_cache, tables, positions, page=page,
+                                                  scale=dim**-0.5, max_ctx=max_ctx, window=window, ws=ws)
+        assert torch.equal(again, out)
+        ref_ws = triton_qmm.quantize_x(out.reshape(bsz, -1))
+        sums = slice(hq * dim // 4 + hq * dim // 32, hq * dim // 4 + hq * dim // 16)  # fp32 block sums of x
+        keep = torch.ones(ws.shape[1], dtype=torch.bool)
+        keep[sums] = False
+        assert torch.equal(ws[:, keep], ref_ws[:, keep])
+        torch.testing.assert_close(ws[:, sums].view(torch.float32), ref_ws[:, sums].view(torch.float32))
 
 
 def test_split_len_covers_the_context():

@@ -83,6 +83,71 @@ def test_add_rms_norm(dtype, t, post_norm):
     assert_close(normed, normed_ref)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hidden", [96, 576, 5120])
+def test_norms_write_their_outputs_int8_workspace(dtype, hidden):
+    """`ws` makes rms_norm and add_rms_norm also write their output's int8 workspace (the int8-activation matmul
+    kernels' input) in the same launch: the bytes quantize_x writes from the stored output (its per-block sums
+    of x, reduced in another order on a GPU, within an ulp), and the normed rows unchanged. Hidden 96 and 5120:
+    rows that fill part of the kernel's power-of-two block (Qwen3.5-27B's 5120 in 8192)."""
+    from lucebox.engine.kernels import triton_qmm
+
+    torch.manual_seed(0)
+    t = 3
+    x, residual, w = randn(t, hidden, dtype=dtype), 4 * randn(t, hidden, dtype=dtype), norm_weight(hidden)
+
+    def check(ws: torch.Tensor, normed: torch.Tensor) -> None:
+        ref = triton_qmm.quantize_x(normed)
+        sums = slice(hidden // 4 + hidden // 32, hidden // 4 + hidden // 16)  # fp32 sums of x, one a block
+        keep = torch.ones(ref.shape[1], dtype=torch.bool)
+        keep[sums] = False
+        assert torch.equal(ws[:, keep], ref[:, keep])
+        torch.testing.assert_close(ws[:, sums].view(torch.float32), ref[:, sums].view(torch.float32), rtol=1e-6,
+                                   atol=1e-6)
+
+    ws = triton_qmm.workspace(t, hidden, DEVICE)
+    normed = ops.rms_norm(x, w, 1e-6, ws=ws)
+    assert torch.equal(normed, ops.rms_norm(x, w, 1e-6))
+    check(ws, normed)
+    ws = triton_qmm.workspace(t, hidden, DEVICE)
+    normed, new_residual = ops.add_rms_norm(x, residual, w, 1e-6, x_weight=w, ws=ws)
+    assert torch.equal(normed, ops.add_rms_norm(x, residual, w, 1e-6, x_weight=w)[0])
+    check(ws, normed)
+    with pytest.raises(ValueError, match="int8 workspace"):
+        ops.rms_norm(x, w, 1e-6, ws=triton_qmm.workspace(t + 1, hidden, DEVICE))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t,heads,dim", [(1, 48, 128), (3, 4, 64), (2, 2, 256)])
+def test_gated_rms_norm(dtype, t, heads, dim):
+    """Gated DeltaNet's output norm times silu(z) in one kernel against the eager block's torch (two ulps in
+    16-bit: silu's exp), and with `ws` its int8 rows as quantize_x makes them from the stored output."""
+    from lucebox.engine.kernels import triton_qmm
+
+    torch.manual_seed(0)
+    out = 3 * torch.randn(t, heads, dim, device=DEVICE)
+    z = 4 * randn(t, heads * dim, dtype=dtype)
+    w = norm_weight(dim)
+    y = ops.gated_rms_norm(out, z, w, 1e-6, dtype)
+    ref = ops.gated_rms_norm_ref(out, z, w, 1e-6, dtype)
+    if INTERPRETER and dtype == torch.bfloat16:  # four roundings toward zero (see the module docstring): 4 ulps
+        torch.testing.assert_close(y.float(), ref.float(), rtol=3.2e-2, atol=3.2e-2)
+    else:
+        assert_close(y, ref)
+    ws = triton_qmm.workspace(t, heads * dim, DEVICE)
+    assert torch.equal(ops.gated_rms_norm(out, z, w, 1e-6, dtype, ws=ws), y)
+    ref = triton_qmm.quantize_x(y)
+    n = heads * dim
+    sums = slice(n // 4 + n // 32, n // 4 + n // 16)
+    keep = torch.ones(ref.shape[1], dtype=torch.bool)
+    keep[sums] = False
+    assert torch.equal(ws[:, keep], ref[:, keep])
+    torch.testing.assert_close(ws[:, sums].view(torch.float32), ref[:, sums].view(torch.float32), rtol=1e-6,
+                               atol=1e-6)
+    with pytest.raises(ValueError, match="gated_rms_norm"):
+        ops.gated_rms_norm(out.transpose(0, 1), z, w, 1e-6, dtype)
+
+
 def rope_tables(positions: torch.Tensor, dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     inv = 1.0 / (10_000.0 ** (torch.arange(0, dim, 2, device=DEVICE).float() / dim))
     freqs = positions.float()[:, None] * inv[None, :]

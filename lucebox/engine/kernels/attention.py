@@ -136,11 +136,14 @@ def paged_attention(
     scale: float,
     sliding: bool,
     write_kv: bool = True,
+    ws: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [T, Hq, D], k/v [T, Hkv, D] for the new rows; caches [slots, Hkv, D].
 
     Writes the new K/V into the cache (unless a fused kernel already did:
-    `write_kv=False`), returns the attention output [T, Hq, D].
+    `write_kv=False`), returns the attention output [T, Hq, D]. `ws` (an int8 workspace of T rows of Hq * D,
+    layers.int8_input): also filled with the output's, for an output projection that reads it as int8 (the
+    decode kernel writes it as it stores the rows; other paths quantize their output after).
     A q8_0 cache (int8 [slots, Hkv, D + 2], kv_quant) is written quantized and read dequantized: every path,
     a fresh prompt included, attends to the quantized K/V, so cached and uncached prefixes give one result.
     """
@@ -155,8 +158,8 @@ def paged_attention(
     kernel = triton_attention.available(q.device) and triton_attention.supports(q.shape[2])
     window = meta.window if sliding else None
     if len(meta.groups) == 1:
-        return attend_group(q, k, v, k_cache, v_cache, meta.groups[0], meta.page, scale, window, kernel)
-    return torch.cat([attend_group(q, k, v, k_cache, v_cache, g, meta.page, scale, window, kernel)
+        return attend_group(q, k, v, k_cache, v_cache, meta.groups[0], meta.page, scale, window, kernel, ws)
+    return torch.cat([attend_group(q, k, v, k_cache, v_cache, g, meta.page, scale, window, kernel, ws)
                       for g in meta.groups])
 
 
@@ -171,31 +174,58 @@ def attend_group(
     scale: float,
     window: int | None,
     kernel: bool,
+    ws: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One group's output [n_seqs * q_len, Hq, D]: the Triton kernels (`kernel`) or the SDPA reference."""
+    """One group's output [n_seqs * q_len, Hq, D]: the Triton kernels (`kernel`) or the SDPA reference; `ws`
+    (the step's rows) gets the group's rows' int8 workspace (paged_attention)."""
     rows = slice(g.row_start, g.row_start + (g.n_rows or g.n_seqs * g.q_len))
+    ws = None if ws is None else ws[rows]
+    out, wrote_ws = _attend_group(q, k, v, k_cache, v_cache, g, rows, page, scale, window, kernel, ws)
+    if ws is not None and not wrote_ws:
+        from lucebox.engine.kernels.triton_qmm import quantize_x  # ws exists only where the kernels do
+
+        quantize_x(out.reshape(out.shape[0], -1), out=ws)
+    return out
+
+
+def _attend_group(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    g: AttnGroup,
+    rows: slice,
+    page: int,
+    scale: float,
+    window: int | None,
+    kernel: bool,
+    ws: torch.Tensor | None,
+) -> tuple[torch.Tensor, bool]:
+    """attend_group's output, and whether its kernel also wrote `ws` (the decode kernel does)."""
     n, ql = g.n_seqs, g.q_len
     q8 = kv_quant.is_q8(k_cache)
     if g.q_lens is not None:
         assert kernel, "ragged groups are laid out only where the Triton kernels run"
         return triton_attention.prefill_attention(
             q[rows], k_cache, v_cache, g.block_tables, g.ctx_lens, g.q_pos, None, q_len=ql, max_ctx=g.max_ctx,
-            page=page, scale=scale, window=window, q_lens=g.q_lens, q_starts=g.q_starts, tiles=g.tiles)
+            page=page, scale=scale, window=window, q_lens=g.q_lens, q_starts=g.q_starts, tiles=g.tiles), False
     if g.fresh and not q8 and (window is None or ql <= window):
         # Own rows only, plain causal: SDPA's flash path on CUDA.
         qg = q[rows].view(n, ql, q.shape[1], q.shape[2]).transpose(1, 2)
         kg = k[rows].view(n, ql, k.shape[1], k.shape[2]).transpose(1, 2)
         vg = v[rows].view(n, ql, v.shape[1], v.shape[2]).transpose(1, 2)
         out = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, scale=scale, enable_gqa=True)
-        return out.transpose(1, 2).reshape(n * ql, q.shape[1], q.shape[2])
+        return out.transpose(1, 2).reshape(n * ql, q.shape[1], q.shape[2]), False
     if kernel:
         if ql == 1:
+            merged = ws if q.shape[2] % 32 == 0 else None  # the merge kernel writes whole 32-column blocks a head
             return triton_attention.decode_attention(
                 q[rows], k_cache, v_cache, g.block_tables, g.q_pos, page=page, scale=scale,
-                max_ctx=g.max_ctx, window=window)
+                max_ctx=g.max_ctx, window=window, ws=merged), merged is not None
         return triton_attention.prefill_attention(
             q[rows], k_cache, v_cache, g.block_tables, g.ctx_lens, g.q_pos, g.tree, q_len=ql, max_ctx=g.max_ctx,
-            page=page, scale=scale, window=window)
+            page=page, scale=scale, window=window), False
     gather, mask = dense_mask(g, page, window)
     qg = q[rows].view(n, ql, q.shape[1], q.shape[2]).transpose(1, 2)
     kg, vg = k_cache[gather], v_cache[gather]
@@ -203,4 +233,4 @@ def attend_group(
         kg, vg = kv_quant.dequantize(kg, q.dtype), kv_quant.dequantize(vg, q.dtype)
     out = F.scaled_dot_product_attention(qg, kg.transpose(1, 2), vg.transpose(1, 2),
                                          attn_mask=mask, scale=scale, enable_gqa=True)
-    return out.transpose(1, 2).reshape(n * ql, q.shape[1], q.shape[2])
+    return out.transpose(1, 2).reshape(n * ql, q.shape[1], q.shape[2]), False

@@ -30,6 +30,8 @@ try:
     import triton.language as tl
 except ImportError:  # CPU-only installs: the simple path is used
     triton = None
+else:
+    from lucebox.engine.kernels.triton_qmm import q8_store
 
 
 LOG2E = 1.4426950408889634
@@ -113,8 +115,8 @@ if triton is not None:
 
     @triton.jit
     def _merge_splits(
-        ACC, LSE, OUT, stride_ab, stride_as, stride_ah, stride_lb, stride_ls, stride_ob, stride_oh,
-        N_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
+        ACC, LSE, OUT, WS, stride_ab, stride_as, stride_ah, stride_lb, stride_ls, stride_ob, stride_oh, stride_wsb,
+        n_cols, N_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, Q8: tl.constexpr,
     ):
         b = tl.program_id(0)
         h = tl.program_id(1)
@@ -124,8 +126,14 @@ if triton is not None:
         top = tl.max(lse, 0)
         w = tl.where(lse == float("-inf"), 0.0, tl.exp(lse - top))
         acc = tl.load(ACC + b * stride_ab + s[:, None] * stride_as + h * stride_ah + d[None, :])
-        out = tl.sum(acc * w[:, None], 0) / tl.sum(w, 0)
-        tl.store(OUT + b * stride_ob + h * stride_oh + d, out.to(OUT.dtype.element_ty))
+        out = (tl.sum(acc * w[:, None], 0) / tl.sum(w, 0)).to(OUT.dtype.element_ty)
+        tl.store(OUT + b * stride_ob + h * stride_oh + d, out)
+        if Q8:  # this head's 32-column blocks of the row's int8 workspace (the output projection's input)
+            B: tl.constexpr = HEAD_DIM // 32
+            blk = h * B + tl.arange(0, B)[:, None, None]
+            half = tl.arange(0, 2)[None, :, None]
+            col = blk * 32 + half * 16 + tl.arange(0, 16)[None, None, :]
+            q8_store(WS + b * stride_wsb, tl.reshape(out.to(tl.float32), (B, 2, 16)), blk, half, col, n_cols)
 
     @triton.jit
     def _prefill_tile(
@@ -329,10 +337,13 @@ def decode_attention(
     scale: float,
     max_ctx: int,
     window: int | None = None,
+    ws: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [B, Hq, D] (the newest row of each sequence, at `positions`), caches [slots, Hkv, D],
     block_tables [B, blocks] (int64). Returns [B, Hq, D]. Shapes depend only on (B, max_ctx),
-    so it can be captured in a CUDA graph. A q8_0 cache is int8 [slots, Hkv, D + 2] (kv_quant)."""
+    so it can be captured in a CUDA graph. A q8_0 cache is int8 [slots, Hkv, D + 2] (kv_quant).
+    `ws` (triton_qmm.workspace of B rows of Hq * D; D a multiple of 32): also filled with the output rows'
+    int8 workspace by the merge kernel, for an output projection on the int8-activation kernels."""
     bsz, hq, dim = q.shape
     hkv = k_cache.shape[1]
     group = hq // hkv
@@ -353,9 +364,12 @@ def decode_attention(
         Q8=q8,
     )
     out = torch.empty_like(q)
+    if ws is not None and (dim % 32 or ws.shape != (bsz, hq * dim // 4 + hq * dim // 8) or ws.stride(1) != 1):
+        raise ValueError(f"decode_attention: an int8 workspace {tuple(ws.shape)} for {bsz} rows of {hq} x {dim}")
     _merge_splits[(bsz, hq)](
-        acc, lse, out, acc.stride(0), acc.stride(1), acc.stride(2), lse.stride(0), lse.stride(1),
-        out.stride(0), out.stride(1), N_SPLITS=n_splits, HEAD_DIM=dim,
+        acc, lse, out, out if ws is None else ws, acc.stride(0), acc.stride(1), acc.stride(2), lse.stride(0),
+        lse.stride(1), out.stride(0), out.stride(1), 0 if ws is None else ws.stride(0), hq * dim,
+        N_SPLITS=n_splits, HEAD_DIM=dim, Q8=ws is not None,
     )
     return out
 
@@ -473,8 +487,8 @@ def prefill_attention(
     )
     if n_splits > 1:
         _merge_splits[(rows, hq)](
-            acc, lse, out, acc.stride(0), acc.stride(1), acc.stride(2), lse.stride(0), lse.stride(1),
-            out.stride(0), out.stride(1), N_SPLITS=n_splits, HEAD_DIM=dim,
+            acc, lse, out, out, acc.stride(0), acc.stride(1), acc.stride(2), lse.stride(0), lse.stride(1),
+            out.stride(0), out.stride(1), 0, hq * dim, N_SPLITS=n_splits, HEAD_DIM=dim, Q8=False,
         )
     return out
 

@@ -6,6 +6,8 @@ RoPE four, the K/V cache write two, SwiGLU two, each residual add one. Here
 each of those groups is one kernel:
 
 - `rms_norm(x, weight, eps)`: the model's RMSNorm (fp32 math, fp32 weight).
+  These norms can also write their output's int8 rows (`ws`), the input of
+  the quantized projections that read it (layers.int8_input).
 - `add_rms_norm(x, residual, weight, eps)`: the residual add and the next norm
   (`h = h + out; x = norm(h)`), optionally RMS-norming `x` first (Gemma 3's
   sandwich post-norm).
@@ -13,6 +15,7 @@ each of those groups is one kernel:
   per-head q/k RMSNorm (Qwen3, Gemma 3) and rotate-half RoPE, writes K and V
   into the paged cache.
 - `act_mul(gate_up, act)`: SiLU / tanh-GELU of the gate times up.
+- `gated_rms_norm(out, z, ...)`: Gated DeltaNet's output norm times silu(z).
 - `small_linear(x, weight)`: one row times a small dense weight (a MoE router, a
   shared expert's gate), where cuBLAS's tiles leave most of the GPU idle.
 - `masked_argmax(logits, bitmasks)`: the greedy token of each row among those
@@ -44,6 +47,8 @@ try:
     import triton.language as tl
 except ImportError:  # CPU-only installs: the references are used
     triton = None
+else:
+    from lucebox.engine.kernels.triton_qmm import q8_store
 
 # Read at forward time: the decoder takes the fused path only while this is True.
 ENABLED = os.environ.get("LUCEBOX_FUSED_OPS", "1") != "0"
@@ -75,6 +80,16 @@ def add_rms_norm_ref(
         x = rms_norm_ref(x, x_weight, eps)
     new_residual = residual + x
     return rms_norm_ref(new_residual, weight, eps), new_residual
+
+
+def gated_rms_norm_ref(
+    out: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype
+) -> torch.Tensor:
+    """Gated DeltaNet's output norm: rms_norm(out in `dtype`, weight) * silu(z) per head, out [T, H, D] (fp32),
+    z [T, H * D] -> [T, H * D] in `dtype` (each step rounded as the eager block rounds it)."""
+    t, heads, dim = out.shape
+    y = rms_norm_ref(out.to(dtype), weight, eps) * F.silu(z.reshape(t, heads, dim).to(dtype))
+    return y.reshape(t, heads * dim)
 
 
 def apply_rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -134,19 +149,32 @@ def unpack_bitmask(bitmasks: torch.Tensor, vocab: int) -> torch.Tensor:
 if triton is not None:
 
     @triton.jit
-    def _rms_norm_kernel(X, W, Y, stride_x, stride_y, n, eps, BLOCK: tl.constexpr):
+    def _q8_row(ws_ptr, y, n, BLOCK: tl.constexpr):
+        """The int8 workspace of one normed row y [BLOCK] (fp32, zero past n; n % 32 == 0) at ws_ptr."""
+        B: tl.constexpr = BLOCK // 32
+        blk = tl.arange(0, B)[:, None, None]
+        half = tl.arange(0, 2)[None, :, None]
+        col = blk * 32 + half * 16 + tl.arange(0, 16)[None, None, :]
+        q8_store(ws_ptr, tl.reshape(y, (B, 2, 16)), blk, half, col, n)
+
+    @triton.jit
+    def _rms_norm_kernel(X, W, Y, WS, stride_x, stride_y, stride_ws, n, eps, Q8: tl.constexpr,
+                         BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < n
         x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
         w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
         r = tl.rsqrt(tl.sum(x * x, 0) / n + eps)
-        tl.store(Y + row * stride_y + cols, (x * r * w).to(Y.dtype.element_ty), mask=mask)
+        y = (x * r * w).to(Y.dtype.element_ty)
+        tl.store(Y + row * stride_y + cols, y, mask=mask)
+        if Q8:  # the output's int8 workspace, as quantize_x would write it from the stored rows
+            _q8_row(WS + row * stride_ws, y.to(tl.float32), n, BLOCK)
 
     @triton.jit
     def _add_rms_norm_kernel(
-        X, R, XW, W, Y, RES, stride_x, stride_r, stride_y, stride_res, n, eps,
-        NORM_X: tl.constexpr, BLOCK: tl.constexpr,
+        X, R, XW, W, Y, RES, WS, stride_x, stride_r, stride_y, stride_res, stride_ws, n, eps,
+        NORM_X: tl.constexpr, Q8: tl.constexpr, BLOCK: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
@@ -160,8 +188,33 @@ if triton is not None:
         tl.store(RES + row * stride_res + cols, s, mask=mask)
         s = s.to(tl.float32)
         w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-        y = s * tl.rsqrt(tl.sum(s * s, 0) / n + eps) * w
-        tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
+        y = (s * tl.rsqrt(tl.sum(s * s, 0) / n + eps) * w).to(Y.dtype.element_ty)
+        tl.store(Y + row * stride_y + cols, y, mask=mask)
+        if Q8:
+            _q8_row(WS + row * stride_ws, y.to(tl.float32), n, BLOCK)
+
+    @triton.jit
+    def _gated_norm_kernel(OUT, Z, W, Y, WS, stride_o, stride_z, stride_y, stride_ws, n_cols, eps,
+                           Q8: tl.constexpr, D: tl.constexpr):
+        """Row program_id(0), head program_id(1): y = rms_norm(o in Y's dtype) * silu(z), each step rounded to
+        Y's dtype as torch rounds it; Q8: this head's 32-column blocks of the row's int8 workspace too."""
+        t = tl.program_id(0).to(tl.int64)
+        hd = tl.program_id(1)
+        d = tl.arange(0, D)
+        dt = Y.dtype.element_ty
+        o = tl.load(OUT + t * stride_o + hd * D + d).to(dt).to(tl.float32)
+        w = tl.load(W + d).to(tl.float32)
+        normed = (o * tl.rsqrt(tl.sum(o * o, 0) / D + eps) * w).to(dt).to(tl.float32)
+        z = tl.load(Z + t * stride_z + hd * D + d).to(tl.float32)
+        gate = (z / (1.0 + tl.exp(-z))).to(dt).to(tl.float32)
+        y = (normed * gate).to(dt)
+        tl.store(Y + t * stride_y + hd * D + d, y)
+        if Q8:
+            B: tl.constexpr = D // 32
+            blk = hd * B + tl.arange(0, B)[:, None, None]
+            half = tl.arange(0, 2)[None, :, None]
+            col = blk * 32 + half * 16 + tl.arange(0, 16)[None, None, :]
+            q8_store(WS + t * stride_ws, tl.reshape(y.to(tl.float32), (B, 2, 16)), blk, half, col, n_cols)
 
     @triton.jit
     def _norm_rope_heads(
@@ -313,26 +366,38 @@ def _norm_launch(n: int) -> tuple[int, int]:
     return block, 4 if block <= 1024 else 8 if block <= 4096 else 16
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """`rms_norm_ref` in one kernel: x [..., N] (fp32/fp16/bf16), weight [N]; returns x's shape and dtype."""
+def _check_ws(ws: torch.Tensor | None, rows: int, n: int) -> None:
+    if ws is not None and (n % 32 or ws.dtype != torch.int32 or ws.shape != (rows, n // 4 + n // 8)
+                           or ws.stride(1) != 1):
+        raise ValueError(f"norm: an int8 workspace {tuple(ws.shape)} {ws.dtype} for {rows} rows of {n} "
+                         f"(expected int32 [{rows}, {n // 4 + n // 8}], {n} a multiple of 32)")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, ws: torch.Tensor | None = None) -> torch.Tensor:
+    """`rms_norm_ref` in one kernel: x [..., N] (fp32/fp16/bf16), weight [N]; returns x's shape and dtype.
+    `ws` (triton_qmm.workspace of x's rows): also filled with the output's int8 workspace, in the same launch
+    (what quantize_x of the output gives), for the quantized projections that read the normed rows."""
     n = x.shape[-1]
     if weight.shape != (n,):
         raise ValueError(f"rms_norm: weight shape {tuple(weight.shape)} does not fit hidden size {n}")
     x2 = _rows(x)
+    _check_ws(ws, x2.shape[0], n)
     y = torch.empty_like(x2)
     block, warps = _norm_launch(n)
-    _rms_norm_kernel[(x2.shape[0],)](x2, weight, y, x2.stride(0), y.stride(0), n, eps, BLOCK=block,
+    _rms_norm_kernel[(x2.shape[0],)](x2, weight, y, y if ws is None else ws, x2.stride(0), y.stride(0),
+                                     0 if ws is None else ws.stride(0), n, eps, Q8=ws is not None, BLOCK=block,
                                      num_warps=warps)
     return y.view(x.shape)
 
 
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, x_weight: torch.Tensor | None = None
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, x_weight: torch.Tensor | None = None,
+    ws: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`add_rms_norm_ref` in one kernel: returns (normed, new_residual), both shaped and typed like x.
 
     This is the block's `h = h + sublayer_out; x = norm(h)`; `x_weight` (Gemma 3) post-norms the sublayer
-    output first.
+    output first. `ws`: also the normed rows' int8 workspace, as in `rms_norm`.
     """
     n = x.shape[-1]
     if residual.shape != x.shape or residual.dtype != x.dtype:
@@ -341,14 +406,38 @@ def add_rms_norm(
     if weight.shape != (n,) or (x_weight is not None and x_weight.shape != (n,)):
         raise ValueError(f"add_rms_norm: norm weights must have shape ({n},)")
     x2, r2 = _rows(x), _rows(residual)
+    _check_ws(ws, x2.shape[0], n)
     y, res = torch.empty_like(x2), torch.empty_like(x2)
     block, warps = _norm_launch(n)
     _add_rms_norm_kernel[(x2.shape[0],)](
-        x2, r2, weight if x_weight is None else x_weight, weight, y, res,
-        x2.stride(0), r2.stride(0), y.stride(0), res.stride(0), n, eps,
-        NORM_X=x_weight is not None, BLOCK=block, num_warps=warps,
+        x2, r2, weight if x_weight is None else x_weight, weight, y, res, y if ws is None else ws,
+        x2.stride(0), r2.stride(0), y.stride(0), res.stride(0), 0 if ws is None else ws.stride(0), n, eps,
+        NORM_X=x_weight is not None, Q8=ws is not None, BLOCK=block, num_warps=warps,
     )
     return y.view(x.shape), res.view(x.shape)
+
+
+def gated_rms_norm(
+    out: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype,
+    ws: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`gated_rms_norm_ref` in one kernel (four launches and three passes in torch): out [T, H, D] (fp32,
+    contiguous heads; D a power of two), z [T, H * D] with unit column stride. `ws` (triton_qmm.workspace of T rows
+    of H * D, D a multiple of 32): also the output's int8 workspace, for `ssm_out` on the int8 kernels."""
+    t, heads, dim = out.shape
+    if dim & (dim - 1) or out.stride(2) != 1 or out.stride(1) != dim or z.shape != (t, heads * dim) or z.stride(1) != 1:
+        raise ValueError(f"gated_rms_norm: out {tuple(out.shape)} and z {tuple(z.shape)} are not [T, H, D] and "
+                         f"[T, H * D] with contiguous heads, D a power of two")
+    if weight.shape != (dim,):
+        raise ValueError(f"gated_rms_norm: weight {tuple(weight.shape)} is not ({dim},)")
+    if ws is not None and dim % 32:
+        raise ValueError(f"gated_rms_norm: an int8 workspace needs heads of whole 32-column blocks, not {dim}")
+    _check_ws(ws, t, heads * dim)
+    y = torch.empty(t, heads * dim, device=out.device, dtype=dtype)
+    _gated_norm_kernel[(t, heads)](out, z, weight, y, y if ws is None else ws, out.stride(0), z.stride(0),
+                                   y.stride(0), 0 if ws is None else ws.stride(0), heads * dim, eps,
+                                   Q8=ws is not None, D=dim, num_warps=1 if dim <= 128 else 2)
+    return y
 
 
 def rope_qk_and_cache(

@@ -43,6 +43,7 @@ from lucebox.engine.models.layers import (
     down_of_gate_up,
     fuse_linears,
     gated_act,
+    int8_input,
     rope_inv_freq,
 )
 from lucebox.engine.models.moe import MoE
@@ -98,8 +99,12 @@ class DecoderBlock(nn.Module):
         """q, k (q/k-normed, not yet rotated) and v of the normed input x, each [T, heads, head_dim].
 
         The PFlash scorer reads q and k here, before RoPE."""
+        return self._split_qkv(self.attn_qkv(x))
+
+    def _split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The fused projection's rows [T, (hq + 2 hkv) head_dim] as q, k (q/k-normed) and v."""
         hq, hkv = self.num_heads, self.num_kv_heads
-        qkv = self.attn_qkv(x).view(x.shape[0], hq + 2 * hkv, self.head_dim)
+        qkv = qkv.view(qkv.shape[0], hq + 2 * hkv, self.head_dim)
         q, k, v = qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
         if hasattr(self, "attn_q_norm"):
             q, k = self.attn_q_norm(q), self.attn_k_norm(k)
@@ -109,7 +114,12 @@ class DecoderBlock(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Projected, normed and rotated q/k, and v, each [T, heads, head_dim]."""
-        q, k, v = self.project_qkv(x)
+        return self._rotate(self.attn_qkv(x), cos, sin)
+
+    def _rotate(
+        self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = self._split_qkv(qkv)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
@@ -117,10 +127,11 @@ class DecoderBlock(nn.Module):
             return self.moe(x)
         return self.ffn_down(gated_act(*self.ffn_gate_up(x).chunk(2, dim=-1), self.act))
 
-    def gated(self, a: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def gated(self, a: torch.Tensor, x: torch.Tensor, ws: torch.Tensor | None = None) -> torch.Tensor:
         """Laguna's output gate: attention output a [T, heads, head_dim] times softplus(attn_gate x) of the
-        normed input x, one value per head (or per channel), the softplus in fp32 as transformers does."""
-        gate = F.softplus(self.attn_gate(x).float()).to(a.dtype)
+        normed input x, one value per head (or per channel), the softplus in fp32 as transformers does. `ws`:
+        x's int8 workspace where its norm wrote one."""
+        gate = F.softplus(self.attn_gate(x, ws=ws).float()).to(a.dtype)
         return a * gate.view(a.shape[0], self.num_heads, -1)
 
     def after_attention(self, h: torch.Tensor, a: torch.Tensor, x: torch.Tensor | None = None) -> torch.Tensor:
@@ -173,14 +184,17 @@ class DecoderBlock(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward` with fused Triton kernels. The residual stream is h + residual, its add left to the
         next norm (residual None: h is the stream itself); returns the block's output in the same form."""
+        # Where the projections read x as int8, the norm's kernel writes that too (one launch, not two).
+        ws = int8_input(h, [self.attn_qkv, self.attn_gate] if hasattr(self, "attn_gate") else [self.attn_qkv])
         if residual is None:
-            x, residual = ops.rms_norm(h, self.attn_norm.weight, self.attn_norm.eps), h
+            x, residual = ops.rms_norm(h, self.attn_norm.weight, self.attn_norm.eps, ws=ws), h
         else:
-            x, residual = ops.add_rms_norm(h, residual, self.attn_norm.weight, self.attn_norm.eps)
+            x, residual = ops.add_rms_norm(h, residual, self.attn_norm.weight, self.attn_norm.eps, ws=ws)
+        qkv = self.attn_qkv(x, ws=ws)
         if rope[0].shape[-1] == self.head_dim:
             qk_norm = hasattr(self, "attn_q_norm")
             q, k, v = ops.rope_qk_and_cache(
-                self.attn_qkv(x), *rope, k_cache, v_cache, meta.slot_mapping, self.num_heads, self.num_kv_heads,
+                qkv, *rope, k_cache, v_cache, meta.slot_mapping, self.num_heads, self.num_kv_heads,
                 q_norm_w=self.attn_q_norm.weight if qk_norm else None,
                 k_norm_w=self.attn_k_norm.weight if qk_norm else None,
                 eps=self.attn_q_norm.eps if qk_norm else 0.0,
@@ -190,21 +204,24 @@ class DecoderBlock(nn.Module):
         else:
             # Partial rotary (Laguna's full-attention layers): the kernel rotates whole heads, so these layers
             # take the eager q/k/v (a few more small kernels) and paged_attention writes the cache.
-            q, k, v = self.qkv(x, *rope)
+            q, k, v = self._rotate(qkv, *rope)
             write_kv = True
+        # The output projection's int8 input comes from the attention kernel too (not after Laguna's gate).
+        ws_o = None if hasattr(self, "attn_gate") else int8_input(q.reshape(q.shape[0], -1), [self.attn_output])
         a = paged_attention(q, k, v, k_cache, v_cache, meta, scale=self.scale, sliding=self.sliding,
-                            write_kv=write_kv)
+                            write_kv=write_kv, ws=ws_o)
         if hasattr(self, "attn_gate"):
-            a = self.gated(a, x)
-        a = self.attn_output(a.reshape(h.shape[0], -1))
+            a = self.gated(a, x, ws)
+        a = self.attn_output(a.reshape(h.shape[0], -1), ws=ws_o)
         # Gemma 3's post-attention norm happens in the same kernel, before the add.
         post = self.post_attention_norm.weight if hasattr(self, "post_attention_norm") else None
-        x, residual = ops.add_rms_norm(a, residual, self.ffn_norm.weight, self.ffn_norm.eps, x_weight=post)
+        ws = None if self.moe is not None else int8_input(a, [self.ffn_gate_up])
+        x, residual = ops.add_rms_norm(a, residual, self.ffn_norm.weight, self.ffn_norm.eps, x_weight=post, ws=ws)
         # A mixture of experts runs its eager path here (models/moe.py).
         if self.moe is not None:
             m = self.moe(x)
         else:
-            gate_up = self.ffn_gate_up(x)
+            gate_up = self.ffn_gate_up(x, ws=ws)
             m = down_of_gate_up(self.ffn_down, gate_up, self.act)  # one launch fewer on the int8 kernels
             if m is None:
                 m = self.ffn_down(ops.act_mul(gate_up, self.act))
@@ -305,14 +322,16 @@ class DecoderModel(nn.Module):
         """The table a block rotates with (Gemma 3's sliding layers use the local base)."""
         return ropes["sliding"] if block.sliding and "sliding" in ropes else ropes["full"]
 
-    def lm_head(self, h: torch.Tensor) -> torch.Tensor:
-        """h @ head.T: the tied embedding or `output`, dense or quantized (no dense copy of a quantized head)."""
-        return self.token_embd.as_linear(h) if self.cfg.tie_word_embeddings else self.output(h)
+    def lm_head(self, h: torch.Tensor, ws: torch.Tensor | None = None) -> torch.Tensor:
+        """h @ head.T: the tied embedding or `output`, dense or quantized (no dense copy of a quantized head).
+        `ws`: h's int8 workspace, where the final norm wrote one."""
+        return self.token_embd.as_linear(h, ws) if self.cfg.tie_word_embeddings else self.output(h, ws=ws)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head over the rows whose next token is wanted."""
-        h = self.output_norm(hidden)
-        logits = self.lm_head(h)
+        ws = int8_input(hidden, [self.token_embd if self.cfg.tie_word_embeddings else self.output])
+        h = self.output_norm(hidden, ws=ws)
+        logits = self.lm_head(h, ws)
         if self.cfg.final_logit_softcap:
             cap = self.cfg.final_logit_softcap
             logits = torch.tanh(logits / cap) * cap

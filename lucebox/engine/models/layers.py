@@ -9,6 +9,7 @@ weights run the kernels of engine/weights/quant.
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 import torch
@@ -18,7 +19,10 @@ from torch import nn
 from lucebox.engine.kernels import triton_ops
 from lucebox.engine.models.config import RopeScaling
 from lucebox.engine.weights.quant import QuantWeight, qlinear
-from lucebox.engine.weights.quant.linear import int8_workspace, use_kernels
+from lucebox.engine.weights.quant.linear import empty_workspace, int8_workspace, reads_int8, use_kernels
+
+# LUCEBOX_INT8_INPUT=0: no int8 rows written by the kernel that makes an input (int8_input), read at forward time.
+INT8_INPUT = os.environ.get("LUCEBOX_INT8_INPUT", "1") != "0"
 
 
 class _MaybeQuant(nn.Module):
@@ -69,11 +73,10 @@ class Linear(_MaybeQuant):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor, ws: torch.Tensor | None = None) -> torch.Tensor:
-        """`ws`: x's int8 workspace (int8_workspace), for a quantized weight whose kernel reads x as int8."""
+        """`ws`: x's int8 workspace (int8_workspace, int8_input), for a quantized weight whose kernel reads x as
+        int8; a dense weight reads x and ignores it."""
         if self.qtype is not None:
             return qlinear(x, self.quant, self.bias, ws=ws)
-        if ws is not None:
-            raise ValueError("Linear: an int8 workspace for a dense weight")
         if self.bias is None and triton_ops.small_linear_ok(x, self.weight):
             return triton_ops.small_linear(x, self.weight)
         return F.linear(x, self.weight, self.bias)
@@ -93,10 +96,10 @@ class Embedding(_MaybeQuant):
             return self.quant.rows(ids, self.dtype)
         return F.embedding(ids, self.weight)
 
-    def as_linear(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ E^T: logits through the tied embedding."""
+    def as_linear(self, x: torch.Tensor, ws: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ E^T: logits through the tied embedding (`ws`: x's int8 workspace, as Linear takes it)."""
         if self.qtype is not None:
-            return qlinear(x, self.quant)
+            return qlinear(x, self.quant, ws=ws)
         return F.linear(x, self.weight)
 
 
@@ -115,14 +118,18 @@ class ConcatLinear(nn.Module):
         self.in_features = parts[0].in_features
         self.out_features = sum(p.out_features for p in parts)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ws: torch.Tensor | None = None) -> torch.Tensor:
+        """`ws`: x's int8 workspace, where the norm that made x wrote it (int8_input)."""
         parts: list[Linear] = list(self.parts)  # type: ignore[arg-type]
         if not use_kernels(x) or x.dim() != 2:
+            if ws is not None:
+                raise ValueError("ConcatLinear: an int8 workspace without the quantized kernels")
             weight = torch.cat([p.quant.dequantize(x.dtype) if p.qtype else p.weight.to(x.dtype) for p in parts])
             bias = None if parts[0].bias is None else torch.cat([p.bias for p in parts])  # type: ignore[misc]
             return F.linear(x, weight, bias)
         out = torch.empty(x.shape[0], self.out_features, device=x.device, dtype=x.dtype)
-        ws = int8_workspace(x, [p.quant for p in parts if p.qtype is not None])  # x quantized once for all parts
+        if ws is None:  # x quantized once for all parts
+            ws = int8_workspace(x, [p.quant for p in parts if p.qtype is not None])
         col = 0
         for p in parts:
             cols = out[:, col:col + p.out_features]
@@ -135,13 +142,26 @@ class ConcatLinear(nn.Module):
 
 
 def fuse_linears(parts: list[Linear]) -> nn.Module:
-    """One module computing the parts side by side: a single Linear when the weights concatenate (all
-    dense, or all one quant type), else a ConcatLinear."""
+    """One module computing the parts side by side: a single Linear when the weights concatenate (all dense,
+    or all one quant type), else a ConcatLinear of the runs of neighbouring parts that do (a Q4_K_M layer's
+    q|k as one Q4_K weight beside a Q6_K v: two kernels, not three)."""
+    runs: list[list[Linear]] = []
+    for p in parts:
+        if runs and runs[-1][0].qtype == p.qtype:
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    if len(runs) > 1:
+        return ConcatLinear([_concat(run) for run in runs])
+    return _concat(parts)
+
+
+def _concat(parts: list[Linear]) -> Linear:
+    """The parts (one quant type, or all dense) as one Linear of their rows stacked."""
     first = parts[0]
+    if len(parts) == 1:
+        return first
     has_bias = first.bias is not None
-    qtypes = {p.qtype for p in parts}
-    if len(qtypes) > 1:
-        return ConcatLinear(parts)
     with torch.device("meta"):  # no dense placeholder of the fused size
         fused = Linear(first.in_features, sum(p.out_features for p in parts), bias=has_bias)
     if first.qtype is None:
@@ -151,6 +171,28 @@ def fuse_linears(parts: list[Linear]) -> nn.Module:
     if has_bias:
         fused.bias = nn.Parameter(torch.cat([p.bias for p in parts]), requires_grad=False)  # type: ignore[misc]
     return fused
+
+
+def int8_input(x: torch.Tensor, readers: list[nn.Module]) -> torch.Tensor | None:
+    """An unfilled int8 workspace for x's rows when a reader of x (a Linear, ConcatLinear or tied head's Embedding)
+    holds a quantized weight whose kernel reads x as int8 at this row count (the kernels the tuner chose), else
+    None. The kernel that makes x fills it (triton_ops.rms_norm / add_rms_norm `ws`, paged_attention's) and every
+    reader is offered it as `ws`: those whose kernels read int8 take it, the rest (dense, or the tuner chose a
+    kernel that reads x) read x. x is quantized once, in the launch that makes it, instead of once per reader in
+    launches of their own. None off the fused-ops path, where x wants a gradient (the kernels have no backward),
+    and with LUCEBOX_INT8_INPUT=0 (each reader then quantizes x itself: the same bytes, for a same-run
+    comparison)."""
+    if not INT8_INPUT or not triton_ops.use_kernels(x) or (torch.is_grad_enabled() and x.requires_grad):
+        return None
+    weights: list[QuantWeight] = []
+    for m in readers:
+        parts = list(m.parts) if isinstance(m, ConcatLinear) else [m]
+        if not all(isinstance(p, (Linear, Embedding)) for p in parts):  # a module that does not take `ws`
+            return None
+        weights += [p.quant for p in parts if p.qtype is not None]  # type: ignore[union-attr]
+    if not reads_int8(x, weights, every=False):
+        return None
+    return empty_workspace(x)
 
 
 class RMSNorm(nn.Module):
@@ -165,7 +207,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ws: torch.Tensor | None = None) -> torch.Tensor:
+        """`ws` (int8_input): also fill x's normed rows' int8 workspace, in the kernel's launch."""
+        if ws is not None:
+            return triton_ops.rms_norm(x, self.weight, self.eps, ws=ws)
         # The kernel (one launch instead of cast, norm, cast) has no backward: the drafter trainer's norms,
         # which need gradients, take the reference.
         needs_grad = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)

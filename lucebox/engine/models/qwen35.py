@@ -54,6 +54,7 @@ from lucebox.engine.models.layers import (
     down_of_gate_up,
     fuse_linears,
     gated_act,
+    int8_input,
 )
 from lucebox.engine.models.moe import MoE
 from lucebox.engine.runtime.recurrent_state import StateRows
@@ -99,14 +100,15 @@ class _Block(nn.Module):
         stream `h` (on the fused-ops device in the norm's kernel, and act(gate) * up in one kernel there)."""
         norm = self.post_attention_norm
         fused = triton_ops.use_kernels(out) and not torch.is_grad_enabled()
+        ws = int8_input(out, [self.ffn_gate_up]) if fused and self.moe is None else None  # the norm kernel fills it
         if fused:
-            x, h = triton_ops.add_rms_norm(out, h, norm.weight, norm.eps)
+            x, h = triton_ops.add_rms_norm(out, h, norm.weight, norm.eps, ws=ws)
         else:
             h = h + out
             x = norm(h)
         if self.moe is not None:
             return h + self.moe(x)
-        gate_up = self.ffn_gate_up(x)
+        gate_up = self.ffn_gate_up(x, ws=ws)
         down = down_of_gate_up(self.ffn_down, gate_up, "silu") if fused else None
         if down is not None:
             return h + down
@@ -131,11 +133,12 @@ class GatedAttentionBlock(_Block):
     def forward(self, h: torch.Tensor, rope: Rope, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         T, hd = h.shape[0], self.head_dim
-        x = self.attn_norm(h)
-        qg = self.attn_q(x).view(T, self.num_heads, 2 * hd)
+        ws = int8_input(h, [self.attn_q, self.attn_k, self.attn_v])
+        x = self.attn_norm(h, ws=ws)
+        qg = self.attn_q(x, ws=ws).view(T, self.num_heads, 2 * hd)
         q, gate = self.attn_q_norm(qg[..., :hd]), qg[..., hd:]
-        k = self.attn_k_norm(self.attn_k(x).view(T, self.num_kv_heads, hd))
-        v = self.attn_v(x).view(T, self.num_kv_heads, hd)
+        k = self.attn_k_norm(self.attn_k(x, ws=ws).view(T, self.num_kv_heads, hd))
+        v = self.attn_v(x, ws=ws).view(T, self.num_kv_heads, hd)
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)  # the table is rotary_dim wide: partial rotary
         a = paged_attention(q, k, v, k_cache, v_cache, meta, scale=self.scale, sliding=False)
         a = a.reshape(T, -1) * torch.sigmoid(gate.reshape(T, -1))
@@ -162,17 +165,25 @@ class DeltaNetBlock(_Block):
         self.ssm_norm = RMSNorm(self.v_dim, cfg.rms_norm_eps)
         self.ssm_out = Linear(value_size, h)
 
+    def fuse(self) -> None:
+        """The FFN's gate|up (_Block.fuse), and beta|alpha as one matmul (two small gemvs a layer, one launch)."""
+        super().fuse()
+        self.ssm_beta_alpha = fuse_linears([self.ssm_beta, self.ssm_alpha])
+        del self.ssm_beta, self.ssm_alpha
+
     def forward(self, h: torch.Tensor, rows: StateRows, layer: int) -> torch.Tensor:
         """The block over the step's rows; `layer` is this block's index among the linear layers."""
-        x = self.attn_norm(h)
-        mixed = self.attn_qkv(x)  # [T, conv_dim]
-        b, a = self.ssm_beta(x), self.ssm_alpha(x)  # [T, v_heads], before sigmoid / softplus
+        ws = int8_input(h, [self.attn_qkv, self.attn_gate, self.ssm_beta_alpha])
+        x = self.attn_norm(h, ws=ws)
+        mixed = self.attn_qkv(x, ws=ws)  # [T, conv_dim]
+        ba = self.ssm_beta_alpha(x, ws=ws)
+        b, a = ba[:, :self.v_heads], ba[:, self.v_heads:]  # [T, v_heads] each, before sigmoid / softplus
         out = torch.empty(h.shape[0], self.v_heads, self.v_dim, dtype=torch.float32, device=h.device)
         nd = rows.n_decode
         if nd:
             self.decode(mixed[:nd], a[:nd], b[:nd], rows, layer, out[:nd])
         if not rows.chunks:
-            return self._finish(h, x, out)
+            return self._finish(h, x, out, ws)
         mixed, a, b = mixed.float(), a.float(), b.float()
         beta, g = torch.sigmoid(b), self._decay(a)
         weight = self.ssm_conv1d.weight  # [conv_dim, kernel], fp32
@@ -209,14 +220,18 @@ class DeltaNetBlock(_Block):
                 if capture is not None:  # after `cut` rows the conv keeps the inputs ext[cut: cut + K-1]
                     rows.capture(layer, capture, ext[:, cut:cut + kept], s)
             rows.stage(layer, slots, ext[None, :, ext.shape[1] - kept:], s[None])
-        return self._finish(h, x, out)
+        return self._finish(h, x, out, ws)
 
-    def _finish(self, h: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """The gated output norm, `ssm_out`, the residual and the FFN, from the delta rule's outputs `out`."""
-        z = self.attn_gate(x).view(-1, self.v_heads, self.v_dim)
-        # silu of a 16-bit z computes in fp32 and rounds once: the bits of silu(z.float()) cast back, two launches fewer
-        y = self.ssm_norm(out.to(h.dtype)) * F.silu(z)
-        return self.ffn(h, self.ssm_out(y.reshape(h.shape[0], -1)))
+    def _finish(self, h: torch.Tensor, x: torch.Tensor, out: torch.Tensor, ws: torch.Tensor | None) -> torch.Tensor:
+        """The gated output norm, `ssm_out`, the residual and the FFN, from the delta rule's outputs `out`
+        (`ws`: x's int8 workspace, or None)."""
+        z = self.attn_gate(x, ws=ws)
+        if triton_ops.use_kernels(h) and not torch.is_grad_enabled():  # one launch, and ssm_out's int8 rows
+            ws_out = int8_input(z, [self.ssm_out]) if self.v_dim % 32 == 0 else None  # whole blocks a head
+            y = triton_ops.gated_rms_norm(out, z, self.ssm_norm.weight, self.ssm_norm.eps, h.dtype, ws=ws_out)
+            return self.ffn(h, self.ssm_out(y, ws=ws_out))
+        y = triton_ops.gated_rms_norm_ref(out, z, self.ssm_norm.weight, self.ssm_norm.eps, h.dtype)
+        return self.ffn(h, self.ssm_out(y))
 
     def decode(self, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, rows: StateRows, layer: int,
                out: torch.Tensor) -> None:

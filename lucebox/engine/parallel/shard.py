@@ -61,8 +61,8 @@ class VocabParallelEmbedding(Embedding):
         h = super().forward((ids - self.lo).clamp(0, rows - 1))
         return self.comm.all_reduce(h * mine[..., None].to(h.dtype))
 
-    def as_linear(self, x: torch.Tensor) -> torch.Tensor:
-        return gather_vocab(super().as_linear(x), self.comm, self.per_rank, self.vocab)
+    def as_linear(self, x: torch.Tensor, ws: torch.Tensor | None = None) -> torch.Tensor:
+        return gather_vocab(super().as_linear(x, ws), self.comm, self.per_rank, self.vocab)
 
 
 class VocabParallelHead(Linear):
@@ -72,8 +72,8 @@ class VocabParallelHead(Linear):
     vocab: int
     per_rank: int
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return gather_vocab(super().forward(x), self.comm, self.per_rank, self.vocab)
+    def forward(self, x: torch.Tensor, ws: torch.Tensor | None = None) -> torch.Tensor:
+        return gather_vocab(super().forward(x, ws), self.comm, self.per_rank, self.vocab)
 
 
 def gather_vocab(local: torch.Tensor, comm: Comm, per_rank: int, vocab: int) -> torch.Tensor:
@@ -187,7 +187,8 @@ def _shard_deltanet(block: DeltaNetBlock, cfg: ModelConfig, comm: Comm) -> None:
     first = comm.rank * mine
     block.attn_qkv = _rows(block.attn_qkv, channels)
     block.attn_gate = _rows(block.attn_gate, _head_rows(values, dv))
-    block.ssm_beta, block.ssm_alpha = _rows(block.ssm_beta, values), _rows(block.ssm_alpha, values)
+    v = cfg.linear_v_heads  # beta|alpha fused at load (DeltaNetBlock.fuse)
+    block.ssm_beta_alpha = _take_parts(block.ssm_beta_alpha, [values, values], [v, v])
     block.ssm_a = _param_rows(block.ssm_a, values)
     block.ssm_dt.bias = _param_rows(block.ssm_dt.bias, values)
     block.ssm_conv1d.weight = _param_rows(block.ssm_conv1d.weight, channels)
@@ -242,17 +243,24 @@ def _param_rows(p: torch.Tensor, idx: torch.Tensor) -> nn.Parameter:
 
 
 def _take_parts(fused: nn.Module, rows: list[torch.Tensor], sizes: list[int]) -> nn.Module:
-    """The rows `rows[i]` of each part of a fused projection (one Linear of the parts side by side, or a
-    ConcatLinear of parts of different quant types)."""
-    if isinstance(fused, ConcatLinear):
-        fused.parts = nn.ModuleList(_rows(p, idx) for p, idx in zip(fused.parts, rows))
-        fused.out_features = sum(p.out_features for p in fused.parts)
-        return fused
+    """The rows `rows[i]` of each part i (of `sizes[i]` rows) of a fused projection: one Linear of the parts
+    side by side, or a ConcatLinear whose own parts are runs of them (fuse_linears), each keeping the chosen
+    rows that fall in it."""
     offsets = [0]
     for s in sizes[:-1]:
         offsets.append(offsets[-1] + s)
+    idx = torch.cat([i + off for i, off in zip(rows, offsets)])
+    if isinstance(fused, ConcatLinear):
+        start, kept = 0, []
+        for p in fused.parts:
+            inside = (idx >= start) & (idx < start + p.out_features)
+            kept.append(_rows(p, idx[inside] - start))
+            start += p.out_features
+        fused.parts = nn.ModuleList(kept)
+        fused.out_features = sum(p.out_features for p in fused.parts)
+        return fused
     assert isinstance(fused, Linear)
-    return _rows(fused, torch.cat([idx + off for idx, off in zip(rows, offsets)]))
+    return _rows(fused, idx)
 
 
 def _rows(lin: Linear, idx: torch.Tensor) -> Linear:

@@ -41,22 +41,34 @@ def warm_up(model: torch.nn.Module) -> dict:
         m.dtype for m in model.modules() if getattr(m, "qtype", None) is not None))
 
 
-def int8_workspace(x: torch.Tensor, weights: list[QuantWeight], act: str | None = None) -> torch.Tensor | None:
-    """x's int8 workspace (triton_qmm.quantize_x) when every one of `weights` reads its rows as one at x's row
-    count (the int8-activation kernels the start-up tuner chose), else None. Computed once, it serves them all:
-    q, k and v of different quant types quantize their shared input once, not three times. With `act`, x is
-    gate_up and the workspace is that of act(gate) * up (triton_ops.act_mul's rows, bit for bit), so a dense
-    FFN's down projection never writes its activated input."""
+def reads_int8(x: torch.Tensor, weights: list[QuantWeight], every: bool = True) -> bool:
+    """Whether every one (`every` False: any one) of `weights` runs at x's row count on the int8-activation kernels
+    (the ones the start-up tuner chose), which read x as its int8 workspace (triton_qmm.quantize_x)."""
     if not weights or x.dim() != 2 or not use_kernels(x) or x.stride(-1) != 1:
-        return None
-    if not all(triton_qmm.int8_x(x.shape[0], w) for w in weights):
+        return False
+    wants = [triton_qmm.int8_x(x.shape[0], w) for w in weights]
+    return all(wants) if every else any(wants)
+
+
+def empty_workspace(x: torch.Tensor) -> torch.Tensor:
+    """An unfilled int8 workspace for x's rows (triton_qmm.workspace), for a kernel that writes it."""
+    return triton_qmm.workspace(x.shape[0], x.shape[1], x.device)
+
+
+def int8_workspace(x: torch.Tensor, weights: list[QuantWeight], act: str | None = None) -> torch.Tensor | None:
+    """x's int8 workspace (triton_qmm.quantize_x) when one of `weights` reads its rows as one at x's row count
+    (reads_int8), else None. Computed once, it serves every weight whose kernel reads it (qlinear): q, k and v of
+    different quant types quantize their shared input once, not three times. With `act`, x is gate_up and the
+    workspace is that of act(gate) * up (triton_ops.act_mul's rows, bit for bit), so a dense FFN's down projection
+    never writes its activated input."""
+    if not reads_int8(x, weights, every=False):
         return None
     return triton_qmm.quantize_x(x, act)
 
 
 def summary(tuned: dict) -> str:
     """What `warm_up` chose, in a few words: how many weight shapes and paths, how many on int8 activations."""
-    int8 = sum(1 for cfg in tuned.values() if "q8x" in cfg)
+    int8 = sum(1 for cfg in tuned.values() if cfg[-1] in ("q8x", "q8l"))
     return f"{len(tuned)} (path, type, shape) cases, {int8} of them on the int8-activation kernels"
 
 
@@ -66,10 +78,14 @@ def qlinear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
 
     Off CUDA the weight is dequantized for this call only (exact in fp32, so the CPU result equals a dense
     fp32 weight's) and dropped after it. `out` (2-D x only) receives the result, e.g. a column slice. `ws`:
-    x's int8 workspace where `int8_workspace` gave one (then x's values are not read).
+    x's int8 workspace where `int8_workspace` or `layers.int8_input` gave one: used where w's kernel reads x as
+    int8 at this row count (then x's values are not read), else x is read (one workspace offered to several
+    weights, some of whose kernels the tuner chose to read x).
     """
     if use_kernels(x):
         lead = x.shape[:-1]
+        if ws is not None and not triton_qmm.int8_x(x.numel() // x.shape[-1], w):
+            ws = None
         y = triton_qmm.qmatmul(x.reshape(-1, x.shape[-1]), w, bias, out, ws)
         return y if out is not None else y.reshape(*lead, y.shape[-1])
     if ws is not None:
