@@ -488,17 +488,17 @@ def test_one_int8_workspace_serves_concat_parts_and_the_ffn_down(monkeypatch, m:
         qmm.qmatmul(x, down.quant, ws=qmm.quantize_x(x))
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "qwen35"])
+@pytest.mark.parametrize("arch", ["qwen3", "qwen35", "qwen3moe", "qwen35moe"])
 def test_norms_write_the_int8_input_of_the_projections_that_read_it(tiny_gguf, tmp_path, monkeypatch,
                                                                    arch: str) -> None:
     """With the int8-activation kernels chosen for every weight (as the GPU's tuner chooses them), a norm's kernel
     also writes its output's int8 workspace for the projections that read it (layers.int8_input): a Qwen3 Q4_K_M
     layer's q|k|v (q|k one Q4_K weight beside a Q6_K v: two kernels) and gate|up, a Qwen3.5 Gated DeltaNet
-    layer's qkv, z gate, beta and alpha and (its gated output norm's) ssm_out, its attention layer's q, k and v.
-    The logits equal, bit for bit, those of the same kernels quantizing x themselves, with fewer quantize_x
-    launches."""
-    from lucebox.engine.kernels import triton_ops
-    from lucebox.engine.models import decoder, qwen35
+    layer's qkv, z gate, beta|alpha and (its gated output norm's) ssm_out, its attention layer's q, k and v; a
+    mixture of experts' routed experts (per-pair gemvs) and shared expert's gate and up. The logits equal, bit
+    for bit, those of the same kernels quantizing x themselves, with fewer quantize_x launches."""
+    from lucebox.engine.kernels import triton_moe, triton_ops
+    from lucebox.engine.models import decoder, moe, qwen35
     from lucebox.engine.models.layers import ConcatLinear
     from lucebox.engine.runtime.llm_engine import EngineConfig, LLMEngine
     from lucebox.engine.weights.loader import load_model
@@ -507,12 +507,16 @@ def test_norms_write_the_int8_input_of_the_projections_that_read_it(tiny_gguf, t
     if arch == "qwen3":
         # hidden 512: a Q6_K row of 2 blocks is 420 bytes, a whole number of words (the int8 kernels' rows)
         path = tiny_gguf("qwen3", "Q4_K", hidden_size=512, layer_qtypes=(("attn_v", "Q6_K"), ("ffn_down", "Q6_K")))
+    elif arch == "qwen3moe":  # the routed experts' per-pair gemvs read the pre-FFN norm's int8 rows
+        path = tiny_gguf("qwen3moe", "Q8_0")
     else:
         pytest.importorskip("transformers.models.qwen3_5")
-        # value heads of 32: the gated output norm writes whole int8 blocks a head (ssm_out's input)
-        path = write_tiny_qwen35_gguf(tmp_path / "hybrid.gguf", qtype="Q8_0", linear_value_head_dim=32)
-    monkeypatch.setattr(linear, "ON_CPU", not CUDA)
-    monkeypatch.setattr(triton_ops, "ON_CPU", not CUDA)
+        # value heads of 32: the gated output norm writes whole int8 blocks a head (ssm_out's input); the MoE
+        # model's shared expert is offered the norm's rows for its gate and up
+        path = write_tiny_qwen35_gguf(tmp_path / "hybrid.gguf", qtype="Q8_0", linear_value_head_dim=32,
+                                      moe=arch == "qwen35moe")
+    for module in (linear, triton_ops, triton_moe):
+        monkeypatch.setattr(module, "ON_CPU", not CUDA)
     loaded = load_model(path, device=DEVICE, dtype=DTYPE, quiet=True, quantized=True)
     model = loaded.model
     if arch == "qwen3":
@@ -528,17 +532,25 @@ def test_norms_write_the_int8_input_of_the_projections_that_read_it(tiny_gguf, t
     monkeypatch.setattr(qmm, "TUNED", tuned)
     calls = []
     real = qmm.quantize_x
-    monkeypatch.setattr(qmm, "quantize_x", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
+    for module in (qmm, triton_moe):
+        monkeypatch.setattr(module, "quantize_x", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
     e = LLMEngine(loaded, EngineConfig(device=DEVICE, dtype="float32" if not CUDA else "bfloat16", kv_tokens=512))
     ids = list(range(3, 8))
     with torch.no_grad():
         ours = e.score(ids)
         fused_calls = len(calls)
-        for module in (decoder, qwen35):
+        for module in (decoder, qwen35, moe):
             monkeypatch.setattr(module, "int8_input", lambda *a, **kw: None)
         calls.clear()
         theirs = e.score(ids)
     assert torch.equal(ours, theirs)
-    # left: the FFN down's (its activation fused in), and the attention output's (a prefill's attention quantizes
-    # its output after; a decode step's merge kernel writes it); a DeltaNet layer's output norm writes ssm_out's
-    assert fused_calls == sum(1 if isinstance(b, qwen35.DeltaNetBlock) else 2 for b in model.blk) < len(calls)
+    # left: the attention output's (a prefill's attention quantizes its output after; a decode step's merge kernel
+    # writes it; a DeltaNet layer's output norm writes ssm_out's), the FFN down's (its activation fused in; routed
+    # experts on the per-pair gemvs only) and a shared expert's down
+    def left(b: torch.nn.Module) -> int:
+        experts = b.moe and [p.quant if p.qtype else p.weight for p in (b.moe.ffn_gate_exps, b.moe.ffn_up_exps)]
+        down = b.moe is None or triton_moe.pairs_read_int8(len(ids), *experts)
+        shared = b.moe is not None and hasattr(b.moe, "ffn_down_shexp")
+        return (not isinstance(b, qwen35.DeltaNetBlock)) + down + shared
+
+    assert fused_calls == sum(left(b) for b in model.blk) < len(calls)

@@ -267,13 +267,14 @@ def _align(ids: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 def _by_pair(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, n_experts: int, gate: QuantWeight,
-             up: QuantWeight, down: Weight, act: str) -> torch.Tensor:
-    """`moe_experts` for a step of a few rows: x quantized to int8 once, gate and up (one launch when of one type) and
-    then down as one gemv per (row, expert) pair (triton_qmm.pair_gemv), the k outputs of a row weighted and summed
-    in fp32 in one launch (`_weighted_sum_kernel`; four torch ops took ~10 us a layer on the H200). A down the gemv
-    cannot take (dense, or another type) runs on the grouped kernel. A row's result does not depend on the rest of
-    the batch. `bench moe` on the H200 (a random Qwen3-30B-A3B-shaped layer, 128 experts, top-8, Q4_K gate and up,
-    Q4_K / Q6_K down; CUDA graphs; 2026-12-03, with a bf16 sum, before the fp32 one and the fused launches): 1 row
+             up: QuantWeight, down: Weight, act: str, ws: torch.Tensor | None = None) -> torch.Tensor:
+    """`moe_experts` for a step of a few rows: x quantized to int8 once (or its workspace `ws` given), gate and
+    up (one launch when of one type) and then down as one gemv per (row, expert) pair (triton_qmm.pair_gemv), the k
+    outputs of a row weighted and summed in fp32 in one launch (`_weighted_sum_kernel`; four torch ops took ~10 us
+    a layer on the H200). A down the gemv cannot take (dense, or another type) runs on the grouped kernel. A row's
+    result does not depend on the rest of the batch. `bench moe` on the H200 (a random Qwen3-30B-A3B-shaped layer,
+    128 experts, top-8, Q4_K gate and up, Q4_K / Q6_K down; CUDA graphs; 2026-12-03, with a bf16 sum, before the
+    fp32 one and the fused launches): 1 row
     18.3 / 20.1 us against the grouped kernel's 129 / 156 us (1.16 TB/s against 0.16), 4 rows 46.7 / 55.3 us against
     338 / 456 us, 16 rows 125 / 156 us against 879 / 1,100 us."""
     from lucebox.engine.kernels import triton_ops
@@ -283,7 +284,8 @@ def _by_pair(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, n_expert
     ff = down.cols if isinstance(down, QuantWeight) else down.shape[1]
     pairs = t * top_k
     flat = ids.reshape(-1).contiguous()
-    ws = quantize_x(x)
+    if ws is None:
+        ws = quantize_x(x)
     gate_up = torch.empty(pairs, 2 * ff, device=x.device, dtype=x.dtype)
     if (gate.qtype == up.qtype and gate.data.shape == up.data.shape
             and (up.data.data_ptr() - gate.data.data_ptr()) % 4 == 0):
@@ -308,10 +310,17 @@ def _qtype(w: Weight) -> str | None:
     return w.qtype if isinstance(w, QuantWeight) else None
 
 
+def pairs_read_int8(rows: int, gate: Weight, up: Weight) -> bool:
+    """Whether `moe_experts` runs a step of `rows` rows on the per-(row, expert) int8 gemvs (_by_pair), which read
+    x as its int8 workspace (a norm kernel can write it: layers.int8_input)."""
+    return 0 < rows <= PAIR_ROWS and pair_ok(gate) and pair_ok(up)
+
+
 def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, n_experts: int, gate: Weight,
-                up: Weight, down: Weight, act: str = "silu") -> torch.Tensor:
+                up: Weight, down: Weight, act: str = "silu", ws: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, hidden], routing weights and expert ids [T, k], the stacked expert weights (each dense or
-    quantized) -> [T, hidden] in x's dtype: the routed experts' weighted sum (models/moe.py `MoE.experts`)."""
+    quantized) -> [T, hidden] in x's dtype: the routed experts' weighted sum (models/moe.py `MoE.experts`).
+    `ws`: x's int8 workspace where its norm wrote one (used where pairs_read_int8)."""
     from lucebox.engine.kernels import triton_ops
 
     x = x.contiguous()
@@ -320,8 +329,8 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, n_exp
     ff = down.cols if isinstance(down, QuantWeight) else down.shape[1]
     if t == 0:
         return torch.empty_like(x)
-    if t <= PAIR_ROWS and pair_ok(gate) and pair_ok(up):
-        return _by_pair(x, weights, ids, n_experts, gate, up, down, act)
+    if pairs_read_int8(t, gate, up):
+        return _by_pair(x, weights, ids, n_experts, gate, up, down, act, ws)
     pairs = t * top_k
     order, starts = _align(ids, n_experts)
     if _qtype(gate) == _qtype(up):  # gate, up and act in one launch

@@ -215,11 +215,11 @@ class DecoderBlock(nn.Module):
         a = self.attn_output(a.reshape(h.shape[0], -1), ws=ws_o)
         # Gemma 3's post-attention norm happens in the same kernel, before the add.
         post = self.post_attention_norm.weight if hasattr(self, "post_attention_norm") else None
-        ws = None if self.moe is not None else int8_input(a, [self.ffn_gate_up])
+        ws = self.moe.int8_input(a) if self.moe is not None else int8_input(a, [self.ffn_gate_up])
         x, residual = ops.add_rms_norm(a, residual, self.ffn_norm.weight, self.ffn_norm.eps, x_weight=post, ws=ws)
         # A mixture of experts runs its eager path here (models/moe.py).
         if self.moe is not None:
-            m = self.moe(x)
+            m = self.moe(x, ws=ws)
         else:
             gate_up = self.ffn_gate_up(x, ws=ws)
             m = down_of_gate_up(self.ffn_down, gate_up, self.act)  # one launch fewer on the int8 kernels

@@ -173,7 +173,7 @@ def _concat(parts: list[Linear]) -> Linear:
     return fused
 
 
-def int8_input(x: torch.Tensor, readers: list[nn.Module]) -> torch.Tensor | None:
+def int8_input(x: torch.Tensor, readers: list[nn.Module], also: bool = False) -> torch.Tensor | None:
     """An unfilled int8 workspace for x's rows when a reader of x (a Linear, ConcatLinear or tied head's Embedding)
     holds a quantized weight whose kernel reads x as int8 at this row count (the kernels the tuner chose), else
     None. The kernel that makes x fills it (triton_ops.rms_norm / add_rms_norm `ws`, paged_attention's) and every
@@ -181,7 +181,7 @@ def int8_input(x: torch.Tensor, readers: list[nn.Module]) -> torch.Tensor | None
     kernel that reads x) read x. x is quantized once, in the launch that makes it, instead of once per reader in
     launches of their own. None off the fused-ops path, where x wants a gradient (the kernels have no backward),
     and with LUCEBOX_INT8_INPUT=0 (each reader then quantizes x itself: the same bytes, for a same-run
-    comparison)."""
+    comparison). `also`: another reader reads x as int8 (a mixture of experts' routed experts: MoE.int8_input)."""
     if not INT8_INPUT or not triton_ops.use_kernels(x) or (torch.is_grad_enabled() and x.requires_grad):
         return None
     weights: list[QuantWeight] = []
@@ -190,6 +190,8 @@ def int8_input(x: torch.Tensor, readers: list[nn.Module]) -> torch.Tensor | None
         if not all(isinstance(p, (Linear, Embedding)) for p in parts):  # a module that does not take `ws`
             return None
         weights += [p.quant for p in parts if p.qtype is not None]  # type: ignore[union-attr]
+    if also and x.dim() == 2 and x.stride(-1) == 1:
+        return empty_workspace(x)
     if not reads_int8(x, weights, every=False):
         return None
     return empty_workspace(x)

@@ -37,7 +37,7 @@ from torch import nn
 
 from lucebox.engine.kernels import graph_mode, triton_moe
 from lucebox.engine.models.config import ModelConfig
-from lucebox.engine.models.layers import Linear, gated_act
+from lucebox.engine.models.layers import Linear, gated_act, int8_input
 from lucebox.engine.weights.quant import QuantWeight, qlinear
 
 # torch's grouped GEMM (public as F.grouped_mm in recent releases; torch._grouped_mm since 2.8), for
@@ -148,9 +148,19 @@ class MoE(nn.Module):
             weights = weights * self.scale
         return weights.to(x.dtype), ids
 
-    def experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def int8_input(self, x: torch.Tensor) -> torch.Tensor | None:
+        """layers.int8_input for this layer's input x (the pre-FFN norm's output): read as int8 by the routed
+        experts where they run on the per-pair gemvs, and offered to the shared expert's gate and up."""
+        shared = [self.ffn_gate_shexp, self.ffn_up_shexp] if hasattr(self, "ffn_down_shexp") else []
+        pairs = self.offload is None and triton_moe.use_kernel(x) and triton_moe.pairs_read_int8(
+            x.shape[0], *(p.quant if p.qtype is not None else p.weight for p in (self.ffn_gate_exps, self.ffn_up_exps)))
+        return int8_input(x, shared, also=pairs)
+
+    def experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                ws: torch.Tensor | None = None) -> torch.Tensor:
         """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for every row t: the rows grouped by expert, one
-        matmul per projection per routed expert (or the Triton kernel, see the module's docstring)."""
+        matmul per projection per routed expert (or the Triton kernel, see the module's docstring). `ws`: x's
+        int8 workspace (int8_input), for the kernel's per-pair gemvs."""
         if triton_moe.use_kernel(x):
             stacked = [p.quant if p.qtype is not None else p.weight
                        for p in (self.ffn_gate_exps, self.ffn_up_exps, self.ffn_down_exps)]
@@ -158,7 +168,7 @@ class MoE(nn.Module):
             if len(held) < self.n_experts:  # a rank's share: others' pairs weigh 0 (no host sync)
                 mine = (ids >= held.start) & (ids < held.stop)
                 weights, ids = weights * mine.to(weights.dtype), torch.where(mine, ids - held.start, 0)
-            return triton_moe.moe_experts(x, weights, ids, len(held), *stacked, self.act)
+            return triton_moe.moe_experts(x, weights, ids, len(held), *stacked, self.act, ws=ws)
         if graph_mode.for_graph(x):
             return self.experts_every(x, weights, ids)
         if GROUPED_MM and x.is_cuda and self.grouped_mm_ok(x):
@@ -223,18 +233,22 @@ class MoE(nn.Module):
         return expert_ffn(x, expert_rows(self.ffn_gate_exps, e, self.ff), expert_rows(self.ffn_up_exps, e, self.ff),
                           expert_rows(self.ffn_down_exps, e, self.hidden), self.act)
 
-    def shared(self, x: torch.Tensor) -> torch.Tensor:
-        """The shared expert, scaled by its sigmoid gate where the model has one."""
-        y = self.ffn_down_shexp(gated_act(self.ffn_gate_shexp(x), self.ffn_up_shexp(x), self.act))
+    def shared(self, x: torch.Tensor, ws: torch.Tensor | None = None) -> torch.Tensor:
+        """The shared expert, scaled by its sigmoid gate where the model has one (`ws`: x's int8 workspace)."""
+        y = self.ffn_down_shexp(gated_act(self.ffn_gate_shexp(x, ws=ws), self.ffn_up_shexp(x, ws=ws), self.act))
         if hasattr(self, "ffn_gate_inp_shexp"):
             y = torch.sigmoid(self.ffn_gate_inp_shexp(x)) * y
         return y
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ws: torch.Tensor | None = None) -> torch.Tensor:
+        """`ws`: x's int8 workspace where the norm that made x wrote one (int8_input)."""
         weights, ids = self.route(x)
         if self.route_counter is not None:
             self.route_counter(self.layer, ids)
-        out = (self.experts if self.offload is None else self.offload.experts)(x, weights, ids)
+        if self.offload is None:
+            out = self.experts(x, weights, ids, ws)
+        else:
+            out = self.offload.experts(x, weights, ids)
         if hasattr(self, "ffn_down_shexp"):
-            out = out + self.shared(x)
+            out = out + self.shared(x, ws)
         return out if self.reduce is None else self.reduce(out)

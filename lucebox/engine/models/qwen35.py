@@ -100,14 +100,16 @@ class _Block(nn.Module):
         stream `h` (on the fused-ops device in the norm's kernel, and act(gate) * up in one kernel there)."""
         norm = self.post_attention_norm
         fused = triton_ops.use_kernels(out) and not torch.is_grad_enabled()
-        ws = int8_input(out, [self.ffn_gate_up]) if fused and self.moe is None else None  # the norm kernel fills it
+        ws = None  # x's int8 rows, filled by the norm kernel
+        if fused:
+            ws = self.moe.int8_input(out) if self.moe is not None else int8_input(out, [self.ffn_gate_up])
         if fused:
             x, h = triton_ops.add_rms_norm(out, h, norm.weight, norm.eps, ws=ws)
         else:
             h = h + out
             x = norm(h)
         if self.moe is not None:
-            return h + self.moe(x)
+            return h + self.moe(x, ws=ws)
         gate_up = self.ffn_gate_up(x, ws=ws)
         down = down_of_gate_up(self.ffn_down, gate_up, "silu") if fused else None
         if down is not None:
