@@ -31,7 +31,7 @@ try:
 except ImportError:  # CPU-only installs: the simple path is used
     triton = None
 else:
-    from lucebox.engine.kernels.triton_qmm import q8_store
+    from lucebox.engine.kernels.triton_qmm import q8_store_run
 
 
 LOG2E = 1.4426950408889634
@@ -129,11 +129,7 @@ if triton is not None:
         out = (tl.sum(acc * w[:, None], 0) / tl.sum(w, 0)).to(OUT.dtype.element_ty)
         tl.store(OUT + b * stride_ob + h * stride_oh + d, out)
         if Q8:  # this head's 32-column blocks of the row's int8 workspace (the output projection's input)
-            B: tl.constexpr = HEAD_DIM // 32
-            blk = h * B + tl.arange(0, B)[:, None, None]
-            half = tl.arange(0, 2)[None, :, None]
-            col = blk * 32 + half * 16 + tl.arange(0, 16)[None, None, :]
-            q8_store(WS + b * stride_wsb, tl.reshape(out.to(tl.float32), (B, 2, 16)), blk, half, col, n_cols)
+            q8_store_run(WS + b * stride_wsb, out.to(tl.float32), h * (HEAD_DIM // 32), n_cols, HEAD_DIM // 32)
 
     @triton.jit
     def _prefill_tile(

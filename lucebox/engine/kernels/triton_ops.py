@@ -48,7 +48,7 @@ try:
 except ImportError:  # CPU-only installs: the references are used
     triton = None
 else:
-    from lucebox.engine.kernels.triton_qmm import q8_store
+    from lucebox.engine.kernels.triton_qmm import q8_store_run
 
 # Read at forward time: the decoder takes the fused path only while this is True.
 ENABLED = os.environ.get("LUCEBOX_FUSED_OPS", "1") != "0"
@@ -149,15 +149,6 @@ def unpack_bitmask(bitmasks: torch.Tensor, vocab: int) -> torch.Tensor:
 if triton is not None:
 
     @triton.jit
-    def _q8_row(ws_ptr, y, n, BLOCK: tl.constexpr):
-        """The int8 workspace of one normed row y [BLOCK] (fp32, zero past n; n % 32 == 0) at ws_ptr."""
-        B: tl.constexpr = BLOCK // 32
-        blk = tl.arange(0, B)[:, None, None]
-        half = tl.arange(0, 2)[None, :, None]
-        col = blk * 32 + half * 16 + tl.arange(0, 16)[None, None, :]
-        q8_store(ws_ptr, tl.reshape(y, (B, 2, 16)), blk, half, col, n)
-
-    @triton.jit
     def _rms_norm_kernel(X, W, Y, WS, stride_x, stride_y, stride_ws, n, eps, Q8: tl.constexpr,
                          BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
@@ -168,8 +159,8 @@ if triton is not None:
         r = tl.rsqrt(tl.sum(x * x, 0) / n + eps)
         y = (x * r * w).to(Y.dtype.element_ty)
         tl.store(Y + row * stride_y + cols, y, mask=mask)
-        if Q8:  # the output's int8 workspace, as quantize_x would write it from the stored rows
-            _q8_row(WS + row * stride_ws, y.to(tl.float32), n, BLOCK)
+        if Q8:  # the output's int8 workspace, as quantize_x would write it from the stored rows (zero past n)
+            q8_store_run(WS + row * stride_ws, y.to(tl.float32), 0, n, BLOCK // 32)
 
     @triton.jit
     def _add_rms_norm_kernel(
@@ -191,7 +182,7 @@ if triton is not None:
         y = (s * tl.rsqrt(tl.sum(s * s, 0) / n + eps) * w).to(Y.dtype.element_ty)
         tl.store(Y + row * stride_y + cols, y, mask=mask)
         if Q8:
-            _q8_row(WS + row * stride_ws, y.to(tl.float32), n, BLOCK)
+            q8_store_run(WS + row * stride_ws, y.to(tl.float32), 0, n, BLOCK // 32)
 
     @triton.jit
     def _gated_norm_kernel(OUT, Z, W, Y, WS, stride_o, stride_z, stride_y, stride_ws, n_cols, eps,
@@ -210,11 +201,7 @@ if triton is not None:
         y = (normed * gate).to(dt)
         tl.store(Y + t * stride_y + hd * D + d, y)
         if Q8:
-            B: tl.constexpr = D // 32
-            blk = hd * B + tl.arange(0, B)[:, None, None]
-            half = tl.arange(0, 2)[None, :, None]
-            col = blk * 32 + half * 16 + tl.arange(0, 16)[None, None, :]
-            q8_store(WS + t * stride_ws, tl.reshape(y.to(tl.float32), (B, 2, 16)), blk, half, col, n_cols)
+            q8_store_run(WS + t * stride_ws, y.to(tl.float32), hd * (D // 32), n_cols, D // 32)
 
     @triton.jit
     def _norm_rope_heads(

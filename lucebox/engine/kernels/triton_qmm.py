@@ -554,6 +554,16 @@ def q8_store(ws_ptr, x, blk, half, col, K):
 
 
 @triton.jit
+def q8_store_run(ws_ptr, y, blk0, K, B: tl.constexpr):
+    """q8_store for B whole 32-column blocks of one row side by side: values y [B * 32] (fp32) of columns
+    blk0 * 32 on (a normed row, an attention head's output), into the row's workspace at ws_ptr."""
+    blk = blk0 + tl.arange(0, B)[:, None, None]
+    half = tl.arange(0, 2)[None, :, None]
+    col = blk * 32 + half * 16 + tl.arange(0, 16)[None, None, :]
+    q8_store(ws_ptr, tl.reshape(y, (B, 2, 16)), blk, half, col, K)
+
+
+@triton.jit
 def _quant_x_kernel(x_ptr, ws_ptr, K, stride_xm, BLOCKS: tl.constexpr, ACT: tl.constexpr = 0):
     """Row program_id(1) of x [M, K] -> its workspace (row m's at word m * (K/4 + K/8)). ACT 1 (silu) or 2
     (gelu_tanh): x is gate_up [M, 2K] and the row quantized is triton_ops.act_mul's, rounded as it rounds."""

@@ -192,7 +192,7 @@ def int8_input(x: torch.Tensor, readers: list[nn.Module], also: bool = False) ->
         weights += [p.quant for p in parts if p.qtype is not None]  # type: ignore[union-attr]
     if also and x.dim() == 2 and x.stride(-1) == 1:
         return empty_workspace(x)
-    if not reads_int8(x, weights, every=False):
+    if not reads_int8(x, weights):
         return None
     return empty_workspace(x)
 

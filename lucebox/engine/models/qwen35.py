@@ -103,7 +103,6 @@ class _Block(nn.Module):
         ws = None  # x's int8 rows, filled by the norm kernel
         if fused:
             ws = self.moe.int8_input(out) if self.moe is not None else int8_input(out, [self.ffn_gate_up])
-        if fused:
             x, h = triton_ops.add_rms_norm(out, h, norm.weight, norm.eps, ws=ws)
         else:
             h = h + out

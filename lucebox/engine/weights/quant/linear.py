@@ -41,13 +41,12 @@ def warm_up(model: torch.nn.Module) -> dict:
         m.dtype for m in model.modules() if getattr(m, "qtype", None) is not None))
 
 
-def reads_int8(x: torch.Tensor, weights: list[QuantWeight], every: bool = True) -> bool:
-    """Whether every one (`every` False: any one) of `weights` runs at x's row count on the int8-activation kernels
-    (the ones the start-up tuner chose), which read x as its int8 workspace (triton_qmm.quantize_x)."""
+def reads_int8(x: torch.Tensor, weights: list[QuantWeight]) -> bool:
+    """Whether one of `weights` runs at x's row count on the int8-activation kernels (the ones the start-up tuner
+    chose), which read x as its int8 workspace (triton_qmm.quantize_x)."""
     if not weights or x.dim() != 2 or not use_kernels(x) or x.stride(-1) != 1:
         return False
-    wants = [triton_qmm.int8_x(x.shape[0], w) for w in weights]
-    return all(wants) if every else any(wants)
+    return any(triton_qmm.int8_x(x.shape[0], w) for w in weights)
 
 
 def empty_workspace(x: torch.Tensor) -> torch.Tensor:
@@ -61,14 +60,14 @@ def int8_workspace(x: torch.Tensor, weights: list[QuantWeight], act: str | None 
     different quant types quantize their shared input once, not three times. With `act`, x is gate_up and the
     workspace is that of act(gate) * up (triton_ops.act_mul's rows, bit for bit), so a dense FFN's down projection
     never writes its activated input."""
-    if not reads_int8(x, weights, every=False):
+    if not reads_int8(x, weights):
         return None
     return triton_qmm.quantize_x(x, act)
 
 
 def summary(tuned: dict) -> str:
     """What `warm_up` chose, in a few words: how many weight shapes and paths, how many on int8 activations."""
-    int8 = sum(1 for cfg in tuned.values() if cfg[-1] in ("q8x", "q8l"))
+    int8 = sum(1 for cfg in tuned.values() if cfg[-1] in triton_qmm.INT8_VARIANTS)
     return f"{len(tuned)} (path, type, shape) cases, {int8} of them on the int8-activation kernels"
 
 
