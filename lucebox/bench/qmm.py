@@ -8,7 +8,6 @@ of a copy-bandwidth measurement made in the same run. Random blocks with finite 
 not depend on the values.
 
 `--sweep`: at one activation row, also every int8-gemv config of a wider grid (`sweep_configs`: ~60 per type,
-the coalesced K-quant gemvs' too,
 compiled and checked like the tuner's), reporting the fastest beside the tuner's best: how stop 34 found the Q4_K
 configs the tuner now tries. Slow (minutes; Q6_K's kernel compiles ~2.5 s a config).
 """
@@ -43,15 +42,9 @@ def matrices(shape_name: str, vocab: int) -> list[tuple[str, int, int]]:
 
 def sweep_configs(qtype: str) -> list[tuple]:
     """The int8 gemv launch configs `--sweep` tries: (BN, NB, warps, split, "q8x") with BN * NB (row, super-block)
-    pairs a step, at least one per thread of the program and at most 512; for Q4_K and Q6_K also their coalesced
-    gemvs' ("q8l", 8 lanes a pair) with 1 to 8 pairs a thread."""
-    grid = list(itertools.product((4, 8, 16, 32), (1, 2, 4, 8, 16), (1, 2, 4), (1, 2)))
-    configs = [(bn, nb, warps, split, "q8x") for bn, nb, warps, split in grid if 32 * warps <= bn * nb <= 512]
-    if qtype in ("Q4_K", "Q6_K"):
-        configs += [(bn, nb, warps, split, "q8l") for bn, nb, warps, split in
-                    itertools.product((1, 2, 4, 8, 16), (1, 2, 4, 8, 16), (1, 2, 4), (1, 2))
-                    if 32 * warps <= 8 * bn * nb <= 256 * warps]
-    return configs
+    pairs a step, at least one per thread of the program and at most 512."""
+    grid = itertools.product((4, 8, 16, 32), (1, 2, 4, 8, 16), (1, 2, 4), (1, 2))
+    return [(bn, nb, warps, split, "q8x") for bn, nb, warps, split in grid if 32 * warps <= bn * nb <= 512]
 
 
 def _ints(text: str) -> list[int]:
@@ -103,16 +96,13 @@ def run(args: argparse.Namespace, types: list[str], rows_list: list[int], mats: 
                 timed = triton_qmm.time_candidates(x, w, triton_qmm.candidates(qtype, m))
                 flt = min((t for c, t in timed if len(c) == 4), default=None)
                 int8 = min((t for c, t in timed if len(c) == 5 and c[-1] == "q8x"), default=None)
-                lanes = min((t for c, t in timed if c[-1] == "q8l"), default=None)  # the coalesced gemvs
                 cublas = baseline[m]
-                best = min(t for t in (flt, int8, lanes) if t is not None) if timed else None
+                best = min(t for t in (flt, int8) if t is not None) if timed else None
                 gbs = w.data.numel() / (best * 1e-3) / 1e9 if best else None
-                row = [name, qtype, f"{n}x{k}", m, flt and flt * 1e3, int8 and int8 * 1e3, lanes and lanes * 1e3,
-                       cublas * 1e3,
-                       gbs, gbs * 1e9 / copy_bw if gbs and copy_bw else None, cublas / best if best else None]
+                row = [name, qtype, f"{n}x{k}", m, flt and flt * 1e3, int8 and int8 * 1e3, cublas * 1e3, gbs,
+                       gbs * 1e9 / copy_bw if gbs and copy_bw else None, cublas / best if best else None]
                 result = {"matrix": name, "qtype": qtype, "n": n, "k": k, "rows": m,
                           "float_us": flt and flt * 1e3, "int8_us": int8 and int8 * 1e3,
-                          "int8_coalesced_us": lanes and lanes * 1e3,
                           "cublas_bf16_us": cublas * 1e3, "weight_gb_s": gbs,
                           "configs": [{"config": list(c), "us": t * 1e3} for c, t in timed]}
                 if sweep:
@@ -129,8 +119,7 @@ def run(args: argparse.Namespace, types: list[str], rows_list: list[int], mats: 
     env = environment(device)
     title = (f"bench qmm: {args.shape} matrices on {env.get('gpu', device)} (CUDA graphs)"
              f"{f'; copy bandwidth {copy_bw / 1e9:,.0f} GB/s' if copy_bw else ''}")
-    print_table(title, ["matrix", "type", "shape", "rows", "float us", "int8 us", "int8 coalesced us",
-                        "bf16 cuBLAS us", "weight GB/s",
+    print_table(title, ["matrix", "type", "shape", "rows", "float us", "int8 us", "bf16 cuBLAS us", "weight GB/s",
                         "of copy BW", "vs bf16 cuBLAS"] + (["sweep best us", "its BN/NB/warps/split"] if sweep else []),
                 rows)
     write_json(args.json, {"benchmark": "qmm", "shape": args.shape, "env": env,

@@ -697,51 +697,6 @@ def _gemv_q4k_q8x_kernel(ws_ptr, w_ptr, b_ptr, y_ptr, N, K, n_split, row_bytes, 
 
 
 @triton.jit
-def _gemv_q4k_lanes_kernel(ws_ptr, w_ptr, b_ptr, y_ptr, N, K, n_split, row_bytes, HAS_BIAS: tl.constexpr,
-                           PARTIAL: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, ASM: tl.constexpr):
-    """_gemv_q4k_q8x_kernel's arithmetic with the work laid out for coalesced loads: each super-block's 128 bytes
-    of nibbles are read by 8 neighbouring lanes, 16 contiguous bytes each ([BN rows, NB super-blocks, 8 lanes,
-    4 words] a step), where the one-pair-a-thread kernel has neighbouring threads read 16 bytes 144 bytes apart
-    (a warp's load then touches 32 cache lines for 512 bytes, which may bound it by L1 throughput: 2.07 TB/s
-    at best on the H200, against Q8_0's 3.41 with its 34-byte blocks side by side). Each lane: 8 dp4a, its
-    chunk's two sub-blocks' scales; one lane of the chunk's two subtracts the mins. Splits as the others."""
-    rn = tl.program_id(0) * BN + tl.arange(0, BN)
-    n_mask = rn < N
-    rows = tl.minimum(rn, N - 1).to(tl.int64)[:, None, None, None]
-    row = w_ptr.to(tl.pointer_type(tl.int32)) + rows * row_bytes // 4  # [BN, 1, 1, 1]
-    nb = tl.arange(0, NB)[None, :, None, None]
-    m = tl.arange(0, 8)[None, None, :, None]  # the lane's 16 bytes of the 128: words 4m .. 4m + 3
-    w = tl.arange(0, 4)[None, None, None, :]
-    zero = (rows * 0).to(tl.int32)  # loads of x and scales take the weights' shape (no layout conversions)
-    ci = m // 2  # its chunk: 32 bytes, sub-block 2ci in the low nibbles, 2ci + 1 in the high
-    first = (m % 2) == 0
-    lo = tl.program_id(1) * n_split
-    dxp = (ws_ptr + K // 4).to(tl.pointer_type(tl.float32))
-    sxp = (ws_ptr + K // 4 + K // 32).to(tl.pointer_type(tl.float32))
-    acc = tl.zeros((BN, NB, 8, 1), dtype=tl.float32)
-    for g in range(lo, lo + n_split, NB):
-        sb = g + nb  # [1, NB, 1, 1]
-        base = row + sb * 36  # 144-byte super-blocks
-        q = tl.load(base + 4 + m * 4 + w)  # [BN, NB, 8, 4]
-        hdr = base + m * 0  # d | dmin, then the 12 bytes of 6-bit scales and mins, [BN, NB, 8, 1]
-        w0 = tl.load(hdr)
-        s0 = tl.load(hdr + 1)
-        s1 = tl.load(hdr + 2)
-        s2 = tl.load(hdr + 3)
-        xw = zero + sb * 64 + 16 * ci + 4 * (m % 2) + w  # x words of the low nibbles' columns (high: + 8)
-        il = tl.sum(_dp4a(q & 0x0F0F0F0F, tl.load(ws_ptr + xw), ASM), axis=3, keep_dims=True)
-        ih = tl.sum(_dp4a((q >> 4) & 0x0F0F0F0F, tl.load(ws_ptr + xw + 8), ASM), axis=3, keep_dims=True)
-        sc0, mn0, sc1, mn1 = _q4k_lane_scales(s0, s1, s2, ci)
-        sub = zero + sb * 8 + 2 * ci  # [BN, NB, 8, 1]
-        acc += _h16(w0, 0) * (_ifloat(sc0) * tl.load(dxp + sub) * _ifloat(il)
-                              + _ifloat(sc1) * tl.load(dxp + sub + 1) * _ifloat(ih))
-        mins = _h16(w0, 16) * (_ifloat(mn0) * tl.load(sxp + sub) + _ifloat(mn1) * tl.load(sxp + sub + 1))
-        acc -= tl.where(first, mins, 0.0)
-    y = tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=1)
-    _store_rows(y_ptr, b_ptr, y, rn, n_mask, N, HAS_BIAS, PARTIAL)
-
-
-@triton.jit
 def _gemv_q6k_q8x_kernel(ws_ptr, w_ptr, b_ptr, y_ptr, N, K, n_split, row_bytes, ids_ptr, P, stride_y, w2_off,
                          X_PER_ROW: tl.constexpr, MOE: tl.constexpr, HAS_BIAS: tl.constexpr,
                          PARTIAL: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, ASM: tl.constexpr):
@@ -790,49 +745,6 @@ def _gemv_q6k_q8x_kernel(ws_ptr, w_ptr, b_ptr, y_ptr, N, K, n_split, row_bytes, 
                     sc = (_pick(scw, k, i // 4) << (24 - 8 * (i % 4))) >> 24
                     acc += (d * tl.load(dxp + sb * 8 + h * 4 + gq)) * (_ifloat(sc) * _ifloat(dot))
     y = tl.sum(tl.reshape(acc, (BN, NB)), axis=1)
-    _store_rows(y_ptr, b_ptr, y, rn, n_mask, N, HAS_BIAS, PARTIAL)
-
-
-@triton.jit
-def _gemv_q6k_lanes_kernel(ws_ptr, w_ptr, b_ptr, y_ptr, N, K, n_split, row_bytes, HAS_BIAS: tl.constexpr,
-                           PARTIAL: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, ASM: tl.constexpr):
-    """_gemv_q6k_q8x_kernel's arithmetic laid out as _gemv_q4k_lanes_kernel's: 8 neighbouring lanes read a block's
-    128 bytes of low bits, 16 contiguous bytes (4 words, funnel-shifted where the block starts 2 bytes into a
-    word) each, where the one-pair-a-thread kernel has neighbouring threads 210 bytes apart (1.4 TB/s at best on
-    the H200). Lane m holds ql bytes 16m .. 16m + 15 = 64h + 32(g & 1) + 16a + 4k + b: the low nibbles of
-    group g = g & 1 and the high ones of g + 2, whose top bits sit in qh bytes 32h + 16a + 4k + b."""
-    rn = tl.program_id(0) * BN + tl.arange(0, BN)
-    n_mask = rn < N
-    rows = tl.minimum(rn, N - 1).to(tl.int64)[:, None, None, None]
-    roff = rows * row_bytes  # [BN, 1, 1, 1]
-    row = w_ptr.to(tl.pointer_type(tl.int32)) + roff // 4
-    nb = tl.arange(0, NB)[None, :, None, None]
-    m = tl.arange(0, 8)[None, None, :, None]
-    k = tl.arange(0, 4)[None, None, None, :]
-    zero = (rows * 0).to(tl.int32)  # loads of x and scales take the weights' shape (no layout conversions)
-    h = m // 4
-    g1 = (m // 2) % 2
-    a = m % 2
-    lo = tl.program_id(1) * n_split
-    dxp = (ws_ptr + K // 4).to(tl.pointer_type(tl.float32))
-    sqp = ws_ptr + K // 4 + K // 16
-    acc = tl.zeros((BN, NB, 8, 1), dtype=tl.float32)
-    for gg in range(lo, lo + n_split, NB):
-        sb = gg + nb  # [1, NB, 1, 1]
-        st = (roff & 2) + sb * 210  # [BN, NB, 1, 1]: the block's byte offset from the row's word
-        ql = _vword(row, st, 4 * m + k)  # [BN, NB, 8, 4]
-        qh = _vword(row, st, 32 + 8 * h + 4 * a + k)
-        d = _h16w(tl.load(row + (st >> 2) + 52 + m * 0), (st & 2) != 0)  # [BN, NB, 8, 1]
-        for s in tl.static_range(2):  # the low nibbles (group g1), then the high (g1 + 2)
-            g = 2 * s + g1
-            u = ((ql >> (4 * s)) & 0x0F0F0F0F) | (((qh >> (2 * g)) & 0x03030303) << 4)
-            xw = zero + sb * 64 + 32 * h + 8 * g + 4 * a + k
-            dot = (tl.sum(_dp4a(u, tl.load(ws_ptr + xw), ASM), axis=3, keep_dims=True)
-                   - 32 * tl.load(sqp + zero + sb * 16 + h * 8 + 2 * g + a))
-            sbyte = st + 192 + 8 * h + 2 * g + a  # its int8 scale
-            sc = (tl.load(row + (sbyte >> 2)) << (24 - 8 * (sbyte & 3)).to(tl.int32)) >> 24
-            acc += (d * tl.load(dxp + zero + sb * 8 + h * 4 + g)) * (_ifloat(sc) * _ifloat(dot))
-    y = tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=1)
     _store_rows(y_ptr, b_ptr, y, rn, n_mask, N, HAS_BIAS, PARTIAL)
 
 
@@ -1126,15 +1038,7 @@ Q8X_CANDIDATES["Q6_K"] = list(Q8X_CANDIDATES["Q4_K"])
 # gained 6% at most (4096x12288: 24.7 against 26.3 us) and its kernel compiles ~2.5 s a config: not added there.
 Q8X_CANDIDATES["Q4_K"] += [(32, 16, 4, 1, "q8x"), (16, 16, 2, 1, "q8x"), (16, 16, 2, 2, "q8x"), (4, 16, 1, 1, "q8x"),
                            (32, 8, 2, 1, "q8x"), (16, 8, 1, 1, "q8x")]
-# The coalesced K-quant gemvs (_gemv_q4k/q6k_lanes_kernel, "q8l": BN rows x NB super-blocks a step, 8 lanes each):
-# written 2026-12-04 without a GPU, from the int8 gemvs' bandwidth by block stride (Q8_0 34 bytes 3.41 TB/s, Q4_K
-# 144 bytes 2.07, Q6_K 210 bytes 1.4); compiled for sm_90 offline and checked under the interpreter, not yet timed.
-# The tuner keeps one only where it measures faster.
-Q8X_CANDIDATES["Q4_K"] += [(4, 16, 4, 1, "q8l"), (8, 8, 4, 1, "q8l"), (16, 4, 4, 1, "q8l"), (8, 16, 4, 1, "q8l"),
-                           (2, 16, 2, 1, "q8l"), (4, 8, 2, 1, "q8l"), (8, 8, 4, 2, "q8l"), (4, 16, 4, 2, "q8l")]
-Q8X_CANDIDATES["Q6_K"] += [(4, 16, 4, 1, "q8l"), (8, 8, 4, 1, "q8l"), (16, 4, 4, 1, "q8l"), (8, 4, 2, 1, "q8l"),
-                           (8, 8, 4, 2, "q8l")]
-INT8_VARIANTS = ("q8x", "q8l")  # the configs' fifth element where the kernel reads x as its int8 workspace
+INT8_VARIANTS = ("q8x",)  # the configs' fifth element where the kernel reads x as its int8 workspace
 SMALL_CANDIDATES = [(64, 1, 4, 4), (64, 1, 4, 1), (64, 1, 4, 8), (32, 1, 4, 4)]
 # The int8 tensor-core small-batch kernels (Q4_K, Q6_K, Q8_0): (BN, 1, warps, split, "q8x").
 # The K-quant tiles' NB is super-blocks a loop step (2: twice the loads in flight per program; not yet timed).
@@ -1197,12 +1101,10 @@ def _launch_words(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None, ou
     kind = _kind(m)
     if cfg is None:
         cfg = TUNED.get((kind, w.qtype, n, k)) or (GEMV_DEFAULT if m == 1 else SMALL_DEFAULT)[w.qtype]
-    bn, nb, warps, split, *variant = cfg  # variant ("q8x",) or ("q8l",): an int8-activation kernel
+    bn, nb, warps, split, *variant = cfg  # variant ("q8x",): an int8-activation kernel
     int8 = bool(variant) and variant[0] in INT8_VARIANTS
     if ws is not None and not int8:
         raise ValueError(f"an int8 workspace was given for {w.qtype} {n}x{k} at {m} rows, whose kernel reads x")
-    if variant == ["q8l"] and (m != 1 or w.qtype not in ("Q4_K", "Q6_K")):
-        raise ValueError(f"the coalesced int8 gemvs serve one row of Q4_K or Q6_K, not {m} of {w.qtype}")
     if int8 and ws is None:
         ws = quantize_x(x)
     nb = _blocks_per_step(w.qtype, n_blk, nb)
@@ -1211,12 +1113,7 @@ def _launch_words(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None, ou
     b = bias if bias is not None else x
     y = torch.empty(split, m, n, device=x.device, dtype=torch.float32) if split > 1 else out
     common = dict(QTYPE=qid, HAS_BIAS=bias is not None, PARTIAL=split > 1, BN=bn, NB=nb, num_warps=warps)
-    if variant == ["q8l"]:
-        del common["QTYPE"]
-        kernel = _gemv_q4k_lanes_kernel if w.qtype == "Q4_K" else _gemv_q6k_lanes_kernel
-        kernel[(triton.cdiv(n, bn), split)](ws, w.data, b, y, n, k, n_blk // split, w.data.shape[1], ASM=x.is_cuda,
-                                            **common)
-    elif m == 1 and variant == ["q8x"]:
+    if m == 1 and variant == ["q8x"]:
         kernel = {"Q4_K": _gemv_q4k_q8x_kernel, "Q6_K": _gemv_q6k_q8x_kernel, "Q8_0": _gemv_q80_q8x_kernel}[w.qtype]
         del common["QTYPE"]
         kernel[(triton.cdiv(n, bn), split)](ws, w.data, b, y, n, k, n_blk // split, w.data.shape[1], x, 1,

@@ -67,7 +67,7 @@ def int8_workspace(x: torch.Tensor, weights: list[QuantWeight], act: str | None 
 
 def summary(tuned: dict) -> str:
     """What `warm_up` chose, in a few words: how many weight shapes and paths, how many on int8 activations."""
-    int8 = sum(1 for cfg in tuned.values() if cfg[-1] in ("q8x", "q8l"))  # triton_qmm.INT8_VARIANTS (no triton here)
+    int8 = sum(1 for cfg in tuned.values() if cfg[-1] == "q8x")  # triton_qmm.INT8_VARIANTS (no triton here)
     return f"{len(tuned)} (path, type, shape) cases, {int8} of them on the int8-activation kernels"
 
 
