@@ -1,0 +1,59 @@
+"""Programmatic dependent launch (Hopper and later): a decode step's kernels start while the one before ends.
+
+At batch 1 a decode step is a chain of ~460 kernels, most a few microseconds long, and each one's start (its
+programs scheduled, their first loads in flight) waits for the previous kernel to drain. A kernel launched with
+PDL (`launch_pdl`) may be scheduled as soon as every program of the kernel before it has started
+(`gdc_launch_dependents`); it must then wait (`gdc_wait`: the previous kernel finished and its writes visible)
+before it reads what that kernel wrote, or writes anything an earlier kernel may still read. `begin` does both,
+first thing, in every kernel that takes the flag. What a kernel does before `begin` may only touch memory no
+kernel of the step writes: the quantized gemvs prefetch their first weight blocks into L2 there.
+
+The rule that keeps this safe across many kernels: each PDL kernel passes `begin` before it ends, so its end
+implies its predecessor's, and so on back; a kernel launched without the flag (torch's, Triton's others) waits
+for the whole stream as usual, so the two kinds mix freely. The interpreter and GPUs before sm_90 never use it.
+
+Opt-in (`LUCEBOX_PDL=1`) until it is timed: written 2026-12-05 without a GPU (compiled for sm_90 offline, the
+PTX checked to issue no load before `griddepcontrol.wait`), not yet run on one. `bench decode` with
+LUCEBOX_PDL=1 and =0 in one lease is the measurement that decides the default.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+ENABLED = os.environ.get("LUCEBOX_PDL", "0") == "1"
+
+
+@functools.cache
+def _supported(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9 and os.environ.get("TRITON_INTERPRET", "0") != "1"
+
+
+def launch(x: torch.Tensor) -> dict[str, bool]:
+    """The launch arguments for a kernel that takes `PDL` on x's device: both on, or none (the kernel's
+    default, PDL False: a plain launch)."""
+    if ENABLED and x.is_cuda and _supported(x.device.index if x.device.index is not None else 0):
+        return {"PDL": True, "launch_pdl": True}
+    return {}
+
+
+@triton.jit
+def begin(PDL: tl.constexpr):
+    """Let the next kernel be scheduled, then wait for the previous one (a no-op without PDL)."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def prefetch(ptrs, PDL: tl.constexpr):
+    """Ask L2 for the lines at pointers `ptrs` (any shape; weights only: before `begin` nothing else is
+    safe to read). Only with PDL, where the loads then overlap the previous kernel."""
+    if PDL:
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs.to(tl.int64)],
+                                  dtype=tl.int32, is_pure=False, pack=1)
