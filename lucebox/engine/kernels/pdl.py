@@ -12,9 +12,12 @@ The rule that keeps this safe across many kernels: each PDL kernel passes `begin
 implies its predecessor's, and so on back; a kernel launched without the flag (torch's, Triton's others) waits
 for the whole stream as usual, so the two kinds mix freely. The interpreter and GPUs before sm_90 never use it.
 
-Opt-in (`LUCEBOX_PDL=1`) until it is timed: written 2026-12-05 without a GPU (compiled for sm_90 offline, the
-PTX checked to issue no load before `griddepcontrol.wait`), not yet run on one. `bench decode` with
-LUCEBOX_PDL=1 and =0 in one lease is the measurement that decides the default.
+Opt-in (`LUCEBOX_PDL=1`), because as written it loses: timed on the H200 (2026-12-05, one lease, a
+Qwen3-8B-shaped Q4_K_M held quantized, `bench decode --weights quantized --prompt-lens 512 --batch-sizes 1,16`
+run with =1, =0, =1, =0) batch 1 decodes 258.9 / 258.9 tok/s with PDL against 310.1 / 310.6 without (0.83x),
+batch 16 2,500 / 2,484 against 2,475 / 2,496 (even). Its correctness test passes on the GPU. Which part costs
+(the early trigger, the L2 prefetch, or the programmatic edges in the CUDA graph themselves) is not yet known;
+it stays opt-in until a variant beats plain launches at batch 1.
 """
 
 from __future__ import annotations
