@@ -15,9 +15,11 @@ for the whole stream as usual, so the two kinds mix freely. The interpreter and 
 Opt-in (`LUCEBOX_PDL=1`), because as written it loses: timed on the H200 (2026-12-05, one lease, a
 Qwen3-8B-shaped Q4_K_M held quantized, `bench decode --weights quantized --prompt-lens 512 --batch-sizes 1,16`
 run with =1, =0, =1, =0) batch 1 decodes 258.9 / 258.9 tok/s with PDL against 310.1 / 310.6 without (0.83x),
-batch 16 2,500 / 2,484 against 2,475 / 2,496 (even). Its correctness test passes on the GPU. Which part costs
-(the early trigger, the L2 prefetch, or the programmatic edges in the CUDA graph themselves) is not yet known;
-it stays opt-in until a variant beats plain launches at batch 1.
+batch 16 2,500 / 2,484 against 2,475 / 2,496 (even). The same file held dense, where only the norms, RoPE,
+quantize and decode attention take PDL (cuBLAS does the matmuls), gained: batch 1 216.9 / 216.9 against
+211.5 / 211.6 (1.025x). So what loses is in the quantized gemvs' use of it (their early trigger or their L2
+prefetch before the wait); it stays opt-in until a variant of those beats plain launches at batch 1. Its
+correctness test passes on the GPU.
 """
 
 from __future__ import annotations
