@@ -6,7 +6,9 @@ server's metrics are a fixed, small set.
 
 from __future__ import annotations
 
+import contextlib
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
@@ -121,6 +123,23 @@ class Metrics:
                 family(name, kind, help_text)
                 lines.append(f"{name} {_num(read())}")
         return "\n".join(lines) + "\n"
+
+
+def thread_cpu_counter(ident: Callable[[], int | None]) -> Callable[[], float]:
+    """A counter's reader: CPU seconds (user + system) used by the thread `ident()` names (a threading ident, or
+    None once it has ended), read from its pthread CPU clock; it keeps the last value when the thread is gone,
+    so the counter never goes back."""
+    last = 0.0
+
+    def read() -> float:
+        nonlocal last
+        tid = ident()
+        if tid is not None:
+            with contextlib.suppress(OSError):
+                last = time.clock_gettime(time.pthread_getcpuclockid(tid))
+        return last
+
+    return read
 
 
 def _esc(value: str) -> str:

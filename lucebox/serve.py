@@ -15,6 +15,7 @@ import dataclasses
 import logging
 import os
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,7 @@ from lucebox.engine.pflash.config import PFlashConfig
 from lucebox.engine.pflash.service import MODES as PFLASH_MODES
 from lucebox.errors import LuceboxError
 from lucebox.http import Router, run
+from lucebox.metrics import thread_cpu_counter
 from lucebox.model_cards import CardError, ModelCard, card_dirs, find_card, load_card
 
 log = logging.getLogger("lucebox.serve")
@@ -519,6 +521,14 @@ def register_engine_metrics(ctx: ServerContext) -> None:
     m.counter("lucebox_preemptions_total", "Sequences preempted for lack of KV blocks",
               lambda: eng.engine.scheduler.num_preemptions)
     m.counter("lucebox_engine_steps_total", "Model steps run", lambda: eng.steps)
+    if hasattr(time, "pthread_getcpuclockid"):  # where the two threads' CPU clocks can be read (Linux, macOS)
+        loop_thread = threading.get_ident()  # this runs on the event loop, which serves /metrics
+        m.counter("lucebox_event_loop_cpu_seconds_total",
+                  "CPU seconds used by the event-loop thread (HTTP, chat templates, detokenizing, streaming)",
+                  thread_cpu_counter(lambda: loop_thread))
+        m.counter("lucebox_engine_thread_cpu_seconds_total",
+                  "CPU seconds used by the engine thread (scheduling, kernel launches, sampling)",
+                  thread_cpu_counter(lambda: eng.thread_ident))
     m.counter("lucebox_graph_captures_after_ready_total",
               "CUDA graphs captured while serving (a request waited for it: the warm-up missed a bucket)",
               lambda: eng.engine.captures_after_ready)

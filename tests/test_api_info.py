@@ -36,6 +36,7 @@ from lucebox.engine.runtime.sampler import SamplingParams
 from lucebox.engine.tokenizer import tokenizer_from_gguf
 from lucebox.engine.weights.gguf_loader import open_gguf
 from lucebox.http import HttpServer
+from lucebox.metrics import thread_cpu_counter
 from lucebox.model_cards import ModelCard
 from lucebox.serve import ServerConfig, http_options, make_app, start_engine
 from tests.memory import release_memory
@@ -564,6 +565,8 @@ def test_metrics_parse_and_cover_the_spec(live_server):
         "lucebox_prefill_tokens_per_second": "gauge",
         "lucebox_decode_tokens_per_second": "gauge",
         "lucebox_model_loaded": "gauge",
+        "lucebox_event_loop_cpu_seconds_total": "counter",  # where a token's host time goes (bench serve)
+        "lucebox_engine_thread_cpu_seconds_total": "counter",
     }
     for name, kind in expected.items():
         assert name in families and families[name]["type"] == kind, name
@@ -607,6 +610,9 @@ def test_metrics_count_a_generation(live_server):
     assert delta("lucebox_ttft_seconds_count") == 1 and delta("lucebox_ttft_seconds_sum") > 0
     assert delta("lucebox_generations_total", reason=run.gen.finish_reason) == 1
     assert delta("lucebox_engine_steps_total") >= usage.completion_tokens
+    # the engine thread ran the steps and the loop served the requests: each thread's own CPU clock moved
+    assert delta("lucebox_engine_thread_cpu_seconds_total") > 0
+    assert delta("lucebox_event_loop_cpu_seconds_total") > 0
     total = lambda fams: sum(v for _, _, v in fams["lucebox_requests_total"]["samples"])  # noqa: E731
     assert total(after) - total(before) >= 1  # the first scrape itself
     assert sample(after, "lucebox_requests_running") == 0
@@ -669,3 +675,33 @@ def test_status_json_follows_a_running_generation(live_server):
     after = call(live_server.url, "GET", "/status/json").json()
     assert after["phase"] == "idle" and after["requests"]["running"] == 0
     assert after["recent"]["decode_tokens_per_second"] > 0 and after["recent"]["last_ttft_ms"] > 0
+
+
+def test_thread_cpu_counter_reads_a_threads_own_clock_and_never_goes_back():
+    """The reader behind the two thread-CPU counters: a busy thread's CPU seconds grow, a sleeping one's barely
+    move, and once the thread has ended (ident None) the last value stays."""
+    if not hasattr(time, "pthread_getcpuclockid"):
+        pytest.skip("no pthread CPU clocks on this platform")
+    alive = threading.Event()
+    stop = threading.Event()
+
+    def spin() -> None:
+        alive.set()
+        while not stop.is_set():
+            sum(range(1000))
+
+    t = threading.Thread(target=spin)
+    t.start()
+    alive.wait()
+    read = thread_cpu_counter(lambda: t.ident if t.is_alive() else None)
+    first = read()
+    time.sleep(0.3)
+    busy = read()
+    stop.set()
+    t.join()
+    assert busy - first > 0.05  # it spun for most of 0.3 s
+    assert read() == busy  # ended: the last value read while it ran, not 0
+    mine = thread_cpu_counter(threading.get_ident)
+    before = mine()
+    time.sleep(0.2)
+    assert mine() - before < 0.05  # sleeping costs no CPU

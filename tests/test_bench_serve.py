@@ -260,8 +260,12 @@ def test_bench_against_a_running_server(live_server, tmp_path, capsys):
     assert payload["workload"]["gen_len"] == 8
     for s in [payload["sequential"], *payload["levels"]]:
         assert s["output_tokens_mean"] <= 8
+        # the server's host time per token, by thread, from its /metrics over the level
+        cpu = s["server_cpu_us_per_token"]
+        assert set(cpu) == {"event_loop", "engine"} and cpu["event_loop"] > 0 and cpu["engine"] > 0
     table = capsys.readouterr().out
     assert "bench serve:" in table and "concurrency 2" in table and "sequential" in table and "TTFT p50 ms" in table
+    assert "loop CPU us/tok" in table
 
 
 @pytest.mark.parametrize("dialect", ["chat", "anthropic"])

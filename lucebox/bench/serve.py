@@ -14,6 +14,12 @@ between consecutive content deltas), output tokens (the usage the server
 reports). Per level: aggregate output tok/s = all output tokens / the level's
 wall time. The baseline is the same kind of workload run one request at a time
 (no batching); each level's speedup is its tok/s over the baseline's.
+
+Against a Lucebox server each level also gives the server's CPU time per output
+token on its event-loop thread (HTTP, templates, detokenizing, SSE) and on its
+engine thread (scheduling, launches, sampling), read from /metrics before and
+after the level: where a stream's host time goes when serving trails
+`bench decode`.
 """
 
 from __future__ import annotations
@@ -341,12 +347,35 @@ async def one_request(base: str, dialect: Dialect, model: str, content: str, max
 # ----- one level -----------------------------------------------------------------------
 
 
+CPU_COUNTERS = {"event_loop": "lucebox_event_loop_cpu_seconds_total",
+                "engine": "lucebox_engine_thread_cpu_seconds_total"}
+"""The server's CPU time by thread, from a Lucebox server's /metrics: where the host's share of a token goes."""
+
+
+async def server_cpu(base: str, headers: dict[str, str]) -> dict[str, float] | None:
+    """CPU seconds so far of the server's event-loop and engine threads; None from a server without them."""
+    try:
+        status, text = await request_json("GET", base + "/metrics", headers=headers, timeout=10)
+    except HttpClientError:
+        return None
+    if status != 200 or not isinstance(text, str):
+        return None
+    names = {metric: key for key, metric in CPU_COUNTERS.items()}
+    found = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in names:
+            found[names[name]] = float(value)
+    return found if len(found) == len(CPU_COUNTERS) else None
+
+
 @dataclass
 class Level:
     name: str
     concurrency: int
     results: list[RequestResult]
     wall: float
+    cpu: dict[str, float] | None = None  # the server's CPU seconds by thread over the level (CPU_COUNTERS)
 
     @property
     def ok(self) -> list[RequestResult]:
@@ -382,6 +411,8 @@ class Level:
             "itl_ms": _ms_stats([gap for r in ok for gap in r.itl]),
             "tpot_ms": _ms_stats(tpot),
             "latency_ms": _ms_stats([r.end - r.start for r in ok]),
+            "server_cpu_us_per_token": ({k: v * 1e6 / self.output_tokens for k, v in self.cpu.items()}
+                                        if self.cpu is not None and self.output_tokens else None),
         }
 
 
@@ -398,9 +429,12 @@ async def run_level(name: str, base: str, dialect: Dialect, model: str, prompts:
         progress.advance()
         return r
 
+    cpu = await server_cpu(base, headers)
     t = time.perf_counter()
     results = await asyncio.gather(*(one(p, n) for p, n in zip(prompts, limits, strict=True)))
     level = Level(name, concurrency, list(results), time.perf_counter() - t)
+    if cpu is not None and (cpu_after := await server_cpu(base, headers)) is not None:
+        level.cpu = {k: cpu_after[k] - cpu[k] for k in cpu}
     errors = [r.error for r in results if r.error is not None]
     if errors and not level.ok:
         raise LuceboxError(f"bench serve: every request of '{name}' failed; first: {errors[0]}")
@@ -592,7 +626,7 @@ def main(args: argparse.Namespace) -> int:
              f"{model.get('device', '?')}, {args.dialect} dialect, prompt ~{args.prompt_len} tokens, "
              f"max_tokens {args.gen_len}, server max_num_seqs {settings.get('max_num_seqs', '?')}")
     print_table(title, ["case", "requests", "errors", "out tok/req", "tok/s", "speedup", "TTFT p50 ms",
-                        "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms"], rows)
+                        "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "loop CPU us/tok", "engine CPU us/tok"], rows)
     if payload["constrained"]:
         print_table("the same prompts, every answer a JSON object (a grammar masks each token), then free with "
                     "each answer's length; vs free: tok/s and decode tok/s (1 / TPOT) against that free run",
@@ -625,8 +659,10 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def _row(s: dict[str, Any]) -> list[Any]:
+    cpu = s["server_cpu_us_per_token"] or {}
     return [s["name"], s["requests"], s["errors"], s["output_tokens_mean"], s["tok_s"], s["speedup"],
-            s["ttft_ms"]["p50"], s["ttft_ms"]["p99"], s["itl_ms"]["p50"], s["itl_ms"]["p99"]]
+            s["ttft_ms"]["p50"], s["ttft_ms"]["p99"], s["itl_ms"]["p50"], s["itl_ms"]["p99"],
+            cpu.get("event_loop"), cpu.get("engine")]
 
 
 async def _bench(args: argparse.Namespace, base: str, server: ServerProcess | None, levels: list[int],

@@ -139,6 +139,12 @@ class AsyncEngine:
         for gen in list(self._active.values()):
             self._deliver_end(gen, "cancelled")
 
+    @property
+    def thread_ident(self) -> int | None:
+        """The engine thread's threading ident while it runs, else None: /metrics reads its CPU clock (a thread
+        that has ended has none to read)."""
+        return self._thread.ident if self._thread is not None and self._thread.is_alive() else None
+
     # ----- requests ----------------------------------------------------------
 
     @property
