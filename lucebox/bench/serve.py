@@ -365,7 +365,8 @@ async def server_cpu(base: str, headers: dict[str, str]) -> dict[str, float] | N
     for line in text.splitlines():
         name, _, value = line.partition(" ")
         if name in names:
-            found[names[name]] = float(value)
+            with contextlib.suppress(ValueError):  # a peer's /metrics is not ours to trust
+                found[names[name]] = float(value)
     return found if len(found) == len(CPU_COUNTERS) else None
 
 
