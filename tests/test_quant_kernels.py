@@ -115,57 +115,6 @@ def test_cuda_graph_replay_equals_eager() -> None:
     assert not torch.equal(y, eager)
 
 
-def test_pdl_is_never_asked_of_the_interpreter_or_the_cpu(monkeypatch) -> None:
-    """Turned on, PDL still gives no launch arguments for CPU tensors (the interpreter has no griddepcontrol):
-    the kernels then run their plain path."""
-    from lucebox.engine.kernels import pdl
-
-    monkeypatch.setattr(pdl, "ENABLED", True)
-    assert pdl.launch(torch.zeros(1)) == {}
-    monkeypatch.setattr(pdl, "ENABLED", False)
-    assert pdl.launch(torch.zeros(1, device=DEVICE)) == {}
-
-
-@needs_cuda
-def test_programmatic_dependent_launch_chain_equals_plain_launches(monkeypatch) -> None:
-    """A decode step's chain with PDL (each kernel scheduled while the one before runs, waiting in
-    `pdl.begin`): norm with int8 rows -> Q4_K / Q6_K / Q8_0 gemvs (split-K sums, a float gemv, a separate
-    quantize_x) -> norm, eight times over, replayed in a CUDA graph 20 times, gives the bytes of the same
-    chain launched plainly. A kernel reading its input before the previous one finished would differ."""
-    from lucebox.engine.kernels import pdl, triton_ops
-
-    if torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("PDL needs sm_90")
-    k = 1024
-    ws_w = [random_weight(q, k, k, seed=i).to("cuda") for i, q in enumerate(["Q4_K", "Q6_K", "Q8_0", "Q4_K"])]
-    cfgs = [(16, 8, 1, 2, "q8x"), (32, 4, 4, 2, "q8x"), (2, 4, 4, 1, "q8x"), (8, 2, 4, 2)]
-    norm_w = torch.rand(k, device="cuda") + 0.5
-    x0 = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-
-    def chain(x: torch.Tensor) -> torch.Tensor:
-        for _ in range(8):
-            for w, cfg in zip(ws_w, cfgs):
-                ws = qmm.workspace(1, k, x.device) if len(cfg) == 5 and cfg is not cfgs[2] else None
-                h = triton_ops.rms_norm(x, norm_w, 1e-6, ws=ws)
-                out = torch.empty_like(h)
-                qmm._launch_words(h, w, None, out, cfg, ws=ws)
-                x = out * 0.5 + x
-        return x
-
-    monkeypatch.setattr(pdl, "ENABLED", True)
-    assert pdl.launch(x0)
-    x = x0.clone()
-    chain(x)  # compile outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = chain(x)
-    monkeypatch.setattr(pdl, "ENABLED", False)
-    plain = chain(x0.clone())
-    for _ in range(20):
-        graph.replay()
-        assert torch.equal(y, plain)
-
-
 @needs_cuda
 @pytest.mark.parametrize("qtype", QUANT_TYPES)
 def test_embedding_row_gather_captures_in_a_cuda_graph(qtype: str) -> None:

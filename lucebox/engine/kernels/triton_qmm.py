@@ -35,7 +35,6 @@ import triton.language as tl
 from triton.compiler.errors import CompilationError
 from triton.runtime.errors import OutOfResources
 
-from lucebox.engine.kernels import pdl
 from lucebox.engine.weights.quant.dequant import FORMATS
 from lucebox.engine.weights.quant.qtensor import QuantWeight, row_bytes
 
@@ -439,12 +438,11 @@ def _store_tile(y_ptr, b_ptr, acc, rm, rn, m_ok, n_mask, M, N, stride_ym, HAS_BI
 @triton.jit
 def _gemv_words_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, n_split, row_words, QTYPE: tl.constexpr,
                        XBF16: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, BN: tl.constexpr,
-                       NB: tl.constexpr, PDL: tl.constexpr = False):
+                       NB: tl.constexpr):
     """One activation row: BN weight rows per program, NB blocks per step, fp32 FMAs; the warps of a program
     split its columns (reduced by the final tl.sum). Program (i, j) covers blocks j * n_split ..
     (j + 1) * n_split (n_split % NB == 0); with several j (PARTIAL) each writes fp32 sums [j, N] that
     _splitk_sum_kernel adds up (no atomics: deterministic, and CUDA-graph safe)."""
-    pdl.begin(PDL)
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     lo = tl.program_id(1) * n_split
     n_mask = rn < N
@@ -566,11 +564,9 @@ def q8_store_run(ws_ptr, y, blk0, K, B: tl.constexpr):
 
 
 @triton.jit
-def _quant_x_kernel(x_ptr, ws_ptr, K, stride_xm, BLOCKS: tl.constexpr, ACT: tl.constexpr = 0,
-                    PDL: tl.constexpr = False):
+def _quant_x_kernel(x_ptr, ws_ptr, K, stride_xm, BLOCKS: tl.constexpr, ACT: tl.constexpr = 0):
     """Row program_id(1) of x [M, K] -> its workspace (row m's at word m * (K/4 + K/8)). ACT 1 (silu) or 2
     (gelu_tanh): x is gate_up [M, 2K] and the row quantized is triton_ops.act_mul's, rounded as it rounds."""
-    pdl.begin(PDL)
     m = tl.program_id(1)
     x_ptr += m.to(tl.int64) * stride_xm
     ws_ptr += m.to(tl.int64) * (K // 4 + K // 8)
@@ -609,8 +605,7 @@ def quantize_x(x: torch.Tensor, act: str | None = None, out: torch.Tensor | None
     ws = workspace(m, k, x.device) if out is None else out
     if ws.shape != (m, k // 4 + k // 8) or ws.dtype != torch.int32 or not ws.is_contiguous():
         raise ValueError(f"quantize_x: a workspace {tuple(ws.shape)} {ws.dtype} for {m} rows of {k}")
-    _quant_x_kernel[(triton.cdiv(k // 32, 8), m)](x, ws, k, x.stride(0), BLOCKS=8, ACT=code, num_warps=2,
-                                                  **pdl.launch(x))
+    _quant_x_kernel[(triton.cdiv(k // 32, 8), m)](x, ws, k, x.stride(0), BLOCKS=8, ACT=code, num_warps=2)
     return ws
 
 
@@ -657,24 +652,17 @@ def _pair(ws_ptr, y_ptr, ids_ptr, P, N, K, stride_y, w2_off, X_PER_ROW: tl.const
 @triton.jit
 def _gemv_q4k_q8x_kernel(ws_ptr, w_ptr, b_ptr, y_ptr, N, K, n_split, row_bytes, ids_ptr, P, stride_y, w2_off,
                          X_PER_ROW: tl.constexpr, MOE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         PARTIAL: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, ASM: tl.constexpr,
-                         PDL: tl.constexpr = False):
+                         PARTIAL: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, ASM: tl.constexpr):
     """One row of a Q4_K weight against the int8 workspace: BN rows x NB super-blocks a step, one (row,
     super-block) pair a thread. Per 32-column sub-block, 8 dp4a (2 vectors) summed in registers, times
     d * scale * dx, less dmin * min * (exact sum of x). Programs and splits as _gemv_words_kernel; MOE:
-    one pair of routed experts a program_id(2) (see _pair). PDL: the first step's blocks are prefetched into L2
-    before the wait (not for MOE, whose rows depend on the router's output)."""
+    one pair of routed experts a program_id(2) (see _pair)."""
     R: tl.constexpr = BN * NB
     r = tl.arange(0, R)
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     n_mask = rn < N
     k = tl.arange(0, 4)[None, :]
     lo = tl.program_id(1) * n_split
-    if not MOE:
-        first = (w_ptr.to(tl.pointer_type(tl.int32)) + (tl.minimum(tl.program_id(0) * BN + r // NB, N - 1).to(tl.int64)
-                                                        * row_bytes)[:, None] // 4 + (lo + r % NB)[:, None] * 36)
-        pdl.prefetch(first + tl.arange(0, 2)[None, :] * 35, PDL)  # a 144-byte block spans at most 2 lines
-    pdl.begin(PDL)
     ws_ptr, y_ptr, row0, w_off = _pair(ws_ptr, y_ptr, ids_ptr, P, N, K, stride_y, w2_off, X_PER_ROW, MOE)
     rows = row0 + tl.minimum(tl.program_id(0) * BN + r // NB, N - 1).to(tl.int64)
     row = (w_ptr + w_off).to(tl.pointer_type(tl.int32)) + (rows * row_bytes)[:, None] // 4  # [R, 1]: 144-byte blocks
@@ -711,24 +699,17 @@ def _gemv_q4k_q8x_kernel(ws_ptr, w_ptr, b_ptr, y_ptr, N, K, n_split, row_bytes, 
 @triton.jit
 def _gemv_q6k_q8x_kernel(ws_ptr, w_ptr, b_ptr, y_ptr, N, K, n_split, row_bytes, ids_ptr, P, stride_y, w2_off,
                          X_PER_ROW: tl.constexpr, MOE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         PARTIAL: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, ASM: tl.constexpr,
-                         PDL: tl.constexpr = False):
+                         PARTIAL: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, ASM: tl.constexpr):
     """One row of a Q6_K weight against the int8 workspace, one (row, super-block) pair a thread (words
     funnel-shifted: every other 210-byte block starts 2 bytes into a word). Element 128h + 32g + 16a + 4k + b
     of a block is nibble g >> 1 of ql byte 64h + 32(g & 1) + 16a + 4k + b with bits 2g..2g+1 of qh byte
     32h + 16a + 4k + b; per 16 columns 4 dp4a summed in registers, less 32 x the int8 sum, times
     d * scale * dx. Programs and splits as _gemv_words_kernel; MOE as _gemv_q4k_q8x_kernel. A row may start 2
-    bytes into a word (an odd number of blocks a row): its blocks' offsets `st` carry those 2 bytes. PDL: the
-    first step's blocks prefetched as _gemv_q4k_q8x_kernel's."""
+    bytes into a word (an odd number of blocks a row): its blocks' offsets `st` carry those 2 bytes."""
     R: tl.constexpr = BN * NB
     r = tl.arange(0, R)
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     n_mask = rn < N
-    if not MOE:
-        first = (tl.minimum(tl.program_id(0) * BN + r // NB, N - 1).to(tl.int64) * row_bytes
-                 + (tl.program_id(1) * n_split + r % NB) * 210)[:, None]
-        pdl.prefetch(w_ptr + first + tl.minimum(tl.arange(0, 4) * 70, 209)[None, :], PDL)  # at most 3 lines
-    pdl.begin(PDL)
     ws_ptr, y_ptr, row0, w_off = _pair(ws_ptr, y_ptr, ids_ptr, P, N, K, stride_y, w2_off, X_PER_ROW, MOE)
     rows = row0 + tl.minimum(tl.program_id(0) * BN + r // NB, N - 1).to(tl.int64)
     roff = (rows * row_bytes)[:, None]  # [R, 1]
@@ -770,17 +751,12 @@ def _gemv_q6k_q8x_kernel(ws_ptr, w_ptr, b_ptr, y_ptr, N, K, n_split, row_bytes, 
 @triton.jit
 def _gemv_q80_q8x_kernel(ws_ptr, w_ptr, b_ptr, y_ptr, N, K, n_split, row_bytes, ids_ptr, P, stride_y, w2_off,
                          X_PER_ROW: tl.constexpr, MOE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         PARTIAL: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, ASM: tl.constexpr,
-                         PDL: tl.constexpr = False):
-    """One row of a Q8_0 weight against the int8 workspace: 8 dp4a a 32-column block, times d * dx. MOE, rows
-    starting 2 bytes into a word and PDL as _gemv_q6k_q8x_kernel."""
+                         PARTIAL: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, ASM: tl.constexpr):
+    """One row of a Q8_0 weight against the int8 workspace: 8 dp4a a 32-column block, times d * dx. MOE and rows
+    starting 2 bytes into a word as _gemv_q6k_q8x_kernel."""
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     lo = tl.program_id(1) * n_split
     n_mask = rn < N
-    if not MOE:
-        pdl.prefetch(w_ptr + (tl.minimum(rn, N - 1).to(tl.int64) * row_bytes)[:, None]
-                     + (lo + tl.arange(0, NB))[None, :] * 34, PDL)  # the first step's NB 34-byte blocks
-    pdl.begin(PDL)
     ws_ptr, y_ptr, row0, w_off = _pair(ws_ptr, y_ptr, ids_ptr, P, N, K, stride_y, w2_off, X_PER_ROW, MOE)
     rows = row0 + tl.minimum(rn, N - 1).to(tl.int64)
     roff = (rows * row_bytes)[:, None, None]
@@ -994,9 +970,8 @@ def _qmm_words_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, n_split, stride_xm, stri
 
 @triton.jit
 def _splitk_sum_kernel(p_ptr, b_ptr, y_ptr, M, N, stride_ym, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+                       BLOCK: tl.constexpr):
     """y[m, :] = sum over j of the fp32 partials p[j, m, :] (+ bias), in y's dtype."""
-    pdl.begin(PDL)
     m = tl.program_id(0)
     rn = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = rn < N
@@ -1138,8 +1113,6 @@ def _launch_words(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None, ou
     b = bias if bias is not None else x
     y = torch.empty(split, m, n, device=x.device, dtype=torch.float32) if split > 1 else out
     common = dict(QTYPE=qid, HAS_BIAS=bias is not None, PARTIAL=split > 1, BN=bn, NB=nb, num_warps=warps)
-    if m == 1:
-        common.update(pdl.launch(x))
     if m == 1 and variant == ["q8x"]:
         kernel = {"Q4_K": _gemv_q4k_q8x_kernel, "Q6_K": _gemv_q6k_q8x_kernel, "Q8_0": _gemv_q80_q8x_kernel}[w.qtype]
         del common["QTYPE"]
@@ -1161,8 +1134,7 @@ def _launch_words(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None, ou
                                 w.data.shape[1] // 4, BM=SMALL_BM, **common)
     if split > 1:
         _splitk_sum_kernel[(m, triton.cdiv(n, 1024))](y, b, out, m, n, out.stride(0), SPLIT=split,
-                                                      HAS_BIAS=bias is not None, BLOCK=1024, num_warps=4,
-                                                      **pdl.launch(x))
+                                                      HAS_BIAS=bias is not None, BLOCK=1024, num_warps=4)
 
 
 # The routed experts' per-pair gemvs (pair_gemv): (BN, NB, num_warps) by type. The K-quants' is the fastest of 25
