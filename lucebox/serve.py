@@ -55,6 +55,7 @@ class ServerConfig:
     model_card: Path | None = None
     max_num_seqs: int = 16
     max_queue: int = 256
+    stream_pace_us: float = 100.0  # per active stream: the least gap between one stream's events (AsyncEngine.stream)
     max_step_tokens: int = 2048
     prefill_pacing: bool = False  # cap prefill chunks while streams decode (engine/runtime/pacing.py)
     ahead: bool | None = None  # greedy decode steps one step ahead (engine/runtime/ahead.py); None: with CUDA graphs
@@ -122,6 +123,7 @@ class ServerConfig:
             model_card=getattr(args, "model_card", None),
             max_num_seqs=pick("max_num_seqs", "LUCEBOX_MAX_NUM_SEQS", int, 16),
             max_queue=pick("max_queue", "LUCEBOX_MAX_QUEUE", int, 256),
+            stream_pace_us=_pace(pick("stream_pace_us", "LUCEBOX_STREAM_PACE_US", float, 100.0)),
             max_step_tokens=pick("max_step_tokens", "LUCEBOX_MAX_STEP_TOKENS", int, 2048),
             prefill_pacing=bool(getattr(args, "prefill_pacing", False)),
             kv_tokens=pick("kv_tokens", "LUCEBOX_KV_TOKENS", int, None),
@@ -209,6 +211,13 @@ class ServerConfig:
         d = dataclasses.asdict(self)
         d["api_key"] = "***" if self.api_key else None
         return {k: (str(v) if isinstance(v, Path) else v) for k, v in d.items()}
+
+
+def _pace(us: float) -> float:
+    """--stream-pace-us: 0 (every step its own event) up to 10,000 us a stream."""
+    if not 0 <= us <= 10_000:  # also refuses nan
+        raise LuceboxError(f"--stream-pace-us must be between 0 and 10000 microseconds, not {us}")
+    return us
 
 
 def _api_key(flag: str | None) -> str | None:
@@ -503,7 +512,7 @@ async def start_engine(ctx: ServerContext, cfg: ServerConfig) -> None:
     from lucebox.engine.runtime.async_engine import AsyncEngine
 
     llm = await asyncio.to_thread(load_into, ctx, cfg)
-    engine = AsyncEngine(llm, max_queue=cfg.max_queue)
+    engine = AsyncEngine(llm, max_queue=cfg.max_queue, stream_pace=cfg.stream_pace_us * 1e-6)
     await engine.start()
     ctx.engine = engine
     register_engine_metrics(ctx)
