@@ -500,6 +500,13 @@ def test_stream_with_the_sdk_and_on_the_wire(client, live_server) -> None:
     assert "".join(d["delta"]["text"] for n, d in frames if n == "content_block_delta") == text
 
 
+def test_a_too_long_stop_sequence_is_a_400_in_anthropic_shape(client) -> None:
+    with pytest.raises(anthropic.BadRequestError) as e:
+        client.messages.create(model="m", max_tokens=2, messages=[{"role": "user", "content": "hi"}],
+                               stop_sequences=["x" * 100_000])
+    assert e.value.body["type"] == "error" and "stop_sequences" in e.value.body["error"]["message"]
+
+
 def test_stop_sequence(client) -> None:
     free = client.messages.create(model="m", max_tokens=16, messages=HAIKU, **GREEDY).content[0].text
     words = re.findall(r"[A-Za-z]{3,}", free)

@@ -408,6 +408,15 @@ def test_stop_string_never_leaks(client):
     assert text == expected and finish == "stop"
 
 
+@pytest.mark.parametrize("stop, words", [(["s" * 257], "257 characters"), ([str(i) for i in range(17)], "17 stop")])
+def test_too_long_or_too_many_stop_strings_are_a_400(client, stop, words):
+    """Every proper prefix of a stop string is kept while matching: a 100K-character one took ~5 GB."""
+    with pytest.raises(openai.BadRequestError) as e:
+        create(client, max_tokens=2, stop=stop)
+    assert e.value.body["param"] == "stop" and words in e.value.body["message"]
+    assert create(client, max_tokens=2, stop=["s" * 256] + [str(i) for i in range(15)]).choices  # the limits pass
+
+
 def test_max_tokens_gives_length_in_both_modes(client):
     r = create(client, max_tokens=3)
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 3

@@ -161,14 +161,29 @@ def check_logit_bias(value: Any) -> None:
         _number(bias, f"logit_bias.{key}", -LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT, False)
 
 
+MAX_STOPS = 16
+MAX_STOP_CHARS = 256
+
+
 def stop_list(value: Any, name: str = "stop") -> list[str]:
+    """The request's stop strings: at most MAX_STOPS of at most MAX_STOP_CHARS characters each. The matcher
+    keeps every proper prefix of every stop (chat/stops.py), so an unbounded stop string cost memory quadratic
+    in its length (a 100K-character one: ~5 GB) and per-token work on the shared event loop."""
     if value is None:
         return []
     if isinstance(value, str):
-        return [value] if value else []
-    if isinstance(value, list) and all(isinstance(s, str) for s in value):
-        return [s for s in value if s]
-    raise bad_field(name, "must be a string or an array of strings")
+        stops = [value] if value else []
+    elif isinstance(value, list) and all(isinstance(s, str) for s in value):
+        stops = [s for s in value if s]
+    else:
+        raise bad_field(name, "must be a string or an array of strings")
+    if len(stops) > MAX_STOPS:
+        raise bad_field(name, f"holds {len(stops)} stop strings; this server takes at most {MAX_STOPS}")
+    longest = max(stops, key=len, default="")
+    if len(longest) > MAX_STOP_CHARS:
+        raise bad_field(name, f"holds a stop string of {len(longest)} characters; this server takes at most "
+                              f"{MAX_STOP_CHARS} a string")
+    return stops
 
 
 def reject_n(body: dict) -> None:
