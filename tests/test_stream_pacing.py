@@ -22,17 +22,18 @@ def llm(smollm2_path) -> LLMEngine:
     return LLMEngine.from_path(smollm2_path, EngineConfig(device="cpu", dtype="float32", kv_tokens=4096), quiet=True)
 
 
-def run(llm: LLMEngine, pace: float) -> list[list[list[int]]]:
-    """Both prompts at once, 20 greedy tokens each; per prompt, the token lists its stream yielded."""
-    async def main() -> list[list[list[int]]]:
+def run(llm: LLMEngine, pace: float) -> list[list[tuple[float, list[int]]]]:
+    """Both prompts at once, 20 greedy tokens each; per prompt, its stream's events as (loop time, token ids)."""
+    async def main() -> list[list[tuple[float, list[int]]]]:
         engine = AsyncEngine(llm, stream_pace=pace)
         await engine.start()
+        loop = asyncio.get_running_loop()
         try:
             params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
             gens = [engine.submit(llm.tokenizer.encode(p, add_special=False), params) for p in PROMPTS]
 
-            async def events(gen) -> list[list[int]]:
-                return [list(new) async for new in engine.stream(gen)]
+            async def events(gen) -> list[tuple[float, list[int]]]:
+                return [(loop.time(), list(new)) async for new in engine.stream(gen)]
 
             return list(await asyncio.gather(*(events(g) for g in gens)))
         finally:
@@ -41,14 +42,19 @@ def run(llm: LLMEngine, pace: float) -> list[list[list[int]]]:
     return asyncio.run(main())
 
 
+def tokens(events: list[tuple[float, list[int]]]) -> list[int]:
+    return [t for _, ids in events for t in ids]
+
+
 def test_pacing_groups_steps_into_fewer_events_with_the_same_tokens(llm):
     plain = run(llm, 0.0)
-    paced = run(llm, 0.1)  # 0.2 s between one stream's events while both run: several CPU steps each
+    paced = run(llm, 0.25)  # 0.5 s between one stream's events while both run, 0.25 s once one is left
     for p, q in zip(plain, paced):
-        assert [t for ev in p for t in ev] == [t for ev in q for t in ev]
-        assert sum(map(len, q)) == 20
-        assert len(q) <= 8 < len(p), (len(q), len(p))  # unpaced, an idle loop takes each step on its own
-        assert len(q[0]) <= 2  # the first event does not wait
+        assert tokens(p) == tokens(q) and len(tokens(q)) == 20
+        assert len(q[0][1]) <= 2  # the first event does not wait
+        gaps = [b[0] - a[0] for a, b in zip(q, q[1:])][:-1]  # the last event does not wait either
+        assert all(g >= 0.24 for g in gaps), gaps  # however slow the steps, never closer than the pace
+        assert len(q) < 20 and len(q) < len(p), (len(q), len(p))  # steps taken during a wait went out together
 
 
 @pytest.mark.parametrize("value", ["-1", "nan", "20000"])
