@@ -216,7 +216,8 @@ class AsyncEngine:
         the engine thread share the GIL, and an event costs the loop ~30-50 us whatever it carries, so 64
         streams each writing every step (~1 ms) left the engine waiting for the GIL; at 100 us a stream,
         64 streams write every 6.4 ms and 1-8 streams every step as before (H100: 64 streams 12.5K ->
-        16.7K tok/s, 1 stream unchanged; README). The first event and the last never wait."""
+        16.7K tok/s, 1 stream unchanged; README). The first event never waits, nor one whose generation has
+        already ended (an end arriving during a wait goes out with that wait's event)."""
         loop = asyncio.get_running_loop()
         last: float | None = None  # when the consumer was done with the last event
         while True:
