@@ -19,10 +19,16 @@ admitted, and a KV block for every row without preempting anyone. A sequence tha
 Before anything else touches the sequences (an abort, a command on the engine thread) the engine settles
 the step in flight.
 The greedy tokens are the same as a plain step's: the rows, their inputs and their kernels are.
+
+Such a step calls into torch five times on this thread (CudaGraphDecoder.launch), no more: every call lets go
+of the GIL, and with the event loop busy writing many streams' events the thread waits up to the switch
+interval to get it back, at each call (the slices, events and second pinned buffer of the first version made
+it about a dozen).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -38,12 +44,12 @@ if TYPE_CHECKING:
 
 @dataclass
 class Launched:
-    """A step in flight: its chunks, its argmax on the device, and the pinned copy the host reads."""
+    """A step in flight: its chunks, its argmax (eager steps: the next step's carried inputs), and what reads
+    its tokens on the host, waiting for them."""
 
     chunks: list[Chunk]
-    tokens: torch.Tensor  # [n] int64 on the device (a view of the graph's output, or the eager argmax)
-    host: torch.Tensor  # [n] the copy the host reads once `done` has completed (the same tensor on the CPU)
-    done: torch.cuda.Event | None
+    tokens: torch.Tensor | None  # [n] int64, eager steps only (a graph's carried rows read it inside the graph)
+    read: Callable[[], list[int]]
 
 
 def runs_ahead(seq: Sequence) -> bool:
@@ -61,11 +67,6 @@ class Ahead:
         self.scheduler = scheduler
         self.kv = runner.kv
         self.inflight: Launched | None = None
-        cuda = runner.device.type == "cuda"
-        size = runner.graphs.bmax if runner.graphs is not None else 0
-        # Two pinned buffers: step N's copy is read while step N+1's is being written.
-        self._host = [torch.empty(size, dtype=torch.long, pin_memory=True) for _ in range(2)] if cuda else []
-        self._flip = 0
         self.steps = 0  # steps launched ahead
         self.wasted = 0  # rows computed for a sequence that had ended
 
@@ -135,33 +136,22 @@ class Ahead:
     def _launch(self, chunks: list[Chunk], prev: torch.Tensor | None) -> Launched:
         runner = self.runner
         self.steps += 1
-        if runner.graphs is not None:
-            out = runner.graphs.run(chunks)  # carried rows read the last replay's argmax, inside the graph
-            assert out is not None, "eligible() checked the bucket"
-            tokens = out[1]
-        else:  # eager (the CPU): the carried rows' ids are patched in on the device
-            inputs = runner.prepare(chunks)
-            src = torch.tensor([c.carry for c in chunks], device=runner.device)
-            if prev is not None:
-                n = len(chunks)
-                inputs.input_ids[:n] = torch.where(src >= 0, prev[src.clamp(min=0)], inputs.input_ids[:n])
-            tokens = runner.forward(inputs).logits.argmax(-1)
-        if runner.device.type != "cuda":
-            return Launched(chunks, tokens, tokens, None)
-        self._flip ^= 1
-        host = self._host[self._flip][: len(chunks)]
-        host.copy_(tokens, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        return Launched(chunks, tokens, host, done)
+        if runner.graphs is not None:  # carried rows read the last replay's argmax, inside the graph
+            return Launched(chunks, None, runner.graphs.launch(chunks))
+        # eager (the CPU): the carried rows' ids are patched in on the device
+        inputs = runner.prepare(chunks)
+        src = torch.tensor([c.carry for c in chunks], device=runner.device)
+        if prev is not None:
+            n = len(chunks)
+            inputs.input_ids[:n] = torch.where(src >= 0, prev[src.clamp(min=0)], inputs.input_ids[:n])
+        tokens = runner.forward(inputs).logits.argmax(-1)
+        return Launched(chunks, tokens, tokens.tolist)
 
     def resolve(self, held: Launched) -> list[StepOutput]:
         """Wait for a launched step's tokens and commit them, as a plain step's postprocess does."""
         from lucebox.engine.runtime.llm_engine import StepOutput
 
-        if held.done is not None:
-            held.done.synchronize()
-        tokens = held.host.tolist()
+        tokens = held.read()
         live = [(c, t) for c, t in zip(held.chunks, tokens) if not c.seq.is_finished]
         self.wasted += len(held.chunks) - len(live)
         chunks = [c for c, _ in live]

@@ -120,20 +120,34 @@ class HostTables:
 
 
 class _HostBuffer:
-    """One pinned staging buffer of the packed decode inputs, its block-table rows, and its last copy's event."""
+    """One pinned staging buffer: the packed decode inputs with their block-table rows, the argmax that a step
+    launched ahead reads back, each batch bucket's views of both (made once: a slice is a call into torch,
+    runtime/ahead.py says why those count), and one event recorded behind the buffer's last copy."""
 
-    def __init__(self, size: int, head: int, rows: int, blocks: int) -> None:
+    def __init__(self, size: int, head: int, rows: int, blocks: int, batches: list[int]) -> None:
         self.pinned = torch.zeros(size, dtype=torch.long, pin_memory=True)
         self.np = self.pinned.numpy()
         self.tables = HostTables(self.np[head:].reshape(rows, blocks))
-        self.copied: torch.cuda.Event | None = None
+        self.tokens = torch.zeros(rows, dtype=torch.long, pin_memory=True)
+        self.tokens_np = self.tokens.numpy()
+        self.inputs = {b: self.pinned[: head + b * blocks] for b in batches}
+        self.outputs = {b: self.tokens[:b] for b in batches}
+        self.event = torch.cuda.Event()
+        self.pending = False  # a copy is queued behind `event` and nobody has waited for it yet
+
+    def wait(self) -> None:
+        """Wait for this buffer's last copies (at most once per copy)."""
+        if self.pending:
+            self.event.synchronize()
+            self.pending = False
 
 
 class _Graph:
     def __init__(self, graph: torch.cuda.CUDAGraph, logits: torch.Tensor, tokens: torch.Tensor) -> None:
         self.graph = graph
-        self.logits = logits  # views of the decoder's static output buffers
+        self.logits = logits  # views of the decoder's static output buffers, one row per batch bucket row
         self.tokens = tokens
+        self.batch = tokens.shape[0]
 
 
 class CudaGraphDecoder:
@@ -161,9 +175,10 @@ class CudaGraphDecoder:
         size = self.head + b * nb
         # Two pinned staging buffers, used in turn: a step launched ahead (runtime/ahead.py) is packed while the
         # copy of the step before may still be queued; a buffer is rewritten only once its last copy is done.
-        self._staging = [_HostBuffer(size, self.head, b, nb) for _ in range(2)]
+        self._staging = [_HostBuffer(size, self.head, b, nb, self.batches) for _ in range(2)]
         self._turn = 0
         self.dev = torch.zeros(size, dtype=torch.long, device=self.device)
+        self._dev_inputs = {x: self.dev[: self.head + x * nb] for x in self.batches}
         self.out_logits: torch.Tensor | None = None  # [bmax, vocab], made at the first capture
         self.out_tokens = torch.zeros(b, dtype=torch.long, device=self.device)
         self.capture: tuple[int, ...] = ()  # layers whose outputs every replay keeps (`features`)
@@ -198,11 +213,39 @@ class CudaGraphDecoder:
         """(logits [n, vocab], argmax tokens [n]) for a decode-only step, or None if no bucket fits.
         A chunk with `carry` >= 0 takes its input token from that row of the last replay's argmax (on the
         device: runtime/ahead.py launches the step before the host has read those tokens)."""
-        ctx = max(c.start + 1 for c in chunks)
-        buckets = self.buckets_for(len(chunks), ctx)
+        replayed = self._replay(chunks)
+        if replayed is None:
+            return None
+        g, buf = replayed
+        buf.event.record()
+        buf.pending = True
+        n = len(chunks)
+        return g.logits[:n], g.tokens[:n]
+
+    def launch(self, chunks: list[Chunk]) -> Callable[[], list[int]]:
+        """Replay a decode step launched ahead (runtime/ahead.py) and copy its argmax to pinned memory behind
+        it; returns what reads the tokens (it waits for that copy). Nothing else is called into torch: per
+        step this thread calls it five times (inputs copy, replay, tokens copy, record, wait), each a point
+        where it lets go of the GIL. The caller checked the bucket (`buckets_for`)."""
+        replayed = self._replay(chunks)
+        assert replayed is not None, "the caller checked the bucket"
+        g, buf = replayed
+        buf.outputs[g.batch].copy_(g.tokens, non_blocking=True)
+        buf.event.record()
+        buf.pending = True
+        n = len(chunks)
+
+        def read() -> list[int]:  # before this buffer's next fill: two launches later
+            buf.wait()
+            return buf.tokens_np[:n].tolist()
+        return read
+
+    def _replay(self, chunks: list[Chunk]) -> tuple[_Graph, _HostBuffer] | None:
+        """Pack the chunks, copy them to the device and replay their bucket's graph (None: no bucket fits)."""
+        buckets = self.buckets_for(len(chunks), max(c.start + 1 for c in chunks))
         if buckets is None:
             return None
-        self._fill(chunks)
+        buf = self._fill(chunks)
         g = self.graphs.get(buckets)
         if g is None:
             if self.ready:
@@ -211,8 +254,7 @@ class CudaGraphDecoder:
             g = self._capture(*buckets)
             self.graphs[buckets] = g
         g.graph.replay()
-        n = len(chunks)
-        return g.logits[:n], g.tokens[:n]
+        return g, buf
 
     def keep_layers(self, capture: tuple[int, ...]) -> None:
         """Keep these layers' outputs in every replay from now on (graphs captured before are dropped)."""
@@ -224,11 +266,11 @@ class CudaGraphDecoder:
         """The last replay's `capture` layer outputs of its first `n` rows ([n, hidden] each)."""
         return [f[:n] for f in self.out_features]
 
-    def _fill(self, chunks: list[Chunk]) -> None:
+    def _fill(self, chunks: list[Chunk]) -> _HostBuffer:
+        """Pack the chunks into the next staging buffer and queue its copy to the device."""
         self._turn ^= 1
         buf = self._staging[self._turn]
-        if buf.copied is not None:
-            buf.copied.synchronize()
+        buf.wait()  # its copies of two steps ago (a step launched ahead was read since: no wait then)
         h, b, tables = buf.np, self.bmax, buf.tables
         n = len(chunks)
         h[: self.head] = 0  # padding rows: token 0 at position 0, written to scratch slot 0 (and state slot 0)
@@ -246,10 +288,8 @@ class CudaGraphDecoder:
             tables.fill(i, table)
         tables.clear_from(n)
         batch = next(x for x in self.batches if x >= n)  # the bucket's rows are all the graph reads
-        end = self.head + batch * self.nbmax
-        self.dev[:end].copy_(buf.pinned[:end], non_blocking=True)
-        buf.copied = torch.cuda.Event()
-        buf.copied.record()
+        self._dev_inputs[batch].copy_(buf.inputs[batch], non_blocking=True)
+        return buf
 
     def _meta(self, batch: int, c: int) -> AttentionMetadata:
         ids, pos, slots, tables = self._views(self.dev, batch, c)
