@@ -105,7 +105,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queue", type=int, default=None, help="waiting requests before 503 (default 256)")
     p.add_argument("--stream-pace-us", type=float, default=None,
                    help="per active stream, the least microseconds between a stream's events; steps in between "
-                        "go out together (default 100: 64 streams write every 6.4 ms; 0: every step)")
+                        "go out together (default 200: 64 streams write every 12.8 ms, 1-4 every step; 0: every step)")
     p.add_argument("--no-prefix-cache", action="store_true", help="no KV reuse across requests")
     p.add_argument("--no-gpu-prefix-cache", action="store_true", help="keep no finished KV blocks on the device")
     p.add_argument("--prefix-cache-slots", type=int, default=None, help="RAM turn-boundary snapshots (default 32)")

@@ -55,7 +55,7 @@ class ServerConfig:
     model_card: Path | None = None
     max_num_seqs: int = 16
     max_queue: int = 256
-    stream_pace_us: float = 100.0  # per active stream: the least gap between one stream's events (AsyncEngine.stream)
+    stream_pace_us: float = 200.0  # per active stream: the least gap between one stream's events (AsyncEngine.stream)
     max_step_tokens: int = 2048
     prefill_pacing: bool = False  # cap prefill chunks while streams decode (engine/runtime/pacing.py)
     ahead: bool | None = None  # greedy decode steps one step ahead (engine/runtime/ahead.py); None: with CUDA graphs
@@ -123,7 +123,7 @@ class ServerConfig:
             model_card=getattr(args, "model_card", None),
             max_num_seqs=pick("max_num_seqs", "LUCEBOX_MAX_NUM_SEQS", int, 16),
             max_queue=pick("max_queue", "LUCEBOX_MAX_QUEUE", int, 256),
-            stream_pace_us=_pace(pick("stream_pace_us", "LUCEBOX_STREAM_PACE_US", float, 100.0)),
+            stream_pace_us=_pace(pick("stream_pace_us", "LUCEBOX_STREAM_PACE_US", float, 200.0)),
             max_step_tokens=pick("max_step_tokens", "LUCEBOX_MAX_STEP_TOKENS", int, 2048),
             prefill_pacing=bool(getattr(args, "prefill_pacing", False)),
             kv_tokens=pick("kv_tokens", "LUCEBOX_KV_TOKENS", int, None),

@@ -68,7 +68,7 @@ def test_the_environment_sets_the_pace(monkeypatch):
     from lucebox.serve import ServerConfig
 
     args = cli.build_parser().parse_args(["serve"])
-    assert ServerConfig.from_args(args).stream_pace_us == 100.0  # the default
+    assert ServerConfig.from_args(args).stream_pace_us == 200.0  # the default
     monkeypatch.setitem(os.environ, "LUCEBOX_STREAM_PACE_US", "0")
     assert ServerConfig.from_args(args).stream_pace_us == 0.0
     assert ServerConfig.from_args(cli.build_parser().parse_args(["serve", "--stream-pace-us", "250"])
