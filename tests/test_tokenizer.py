@@ -213,6 +213,29 @@ def test_detokenizer_random_ids(real: Tokenizer) -> None:
             assert "".join(stream(real, ids, skip)) == real.decode(ids, skip_special=skip), ids
 
 
+def test_detokenizer_push_many_gives_the_same_text(real: Tokenizer) -> None:
+    """Tokens that arrive together (one SSE event's worth) are decoded as one piece: the same text, never
+    half a character, whatever the grouping."""
+    rng = random.Random(77)
+    specials = sorted(real.special_ids)[:40]
+    low = [i for i in range(600) if i not in real.special_ids]
+    texts = [real.encode(t, add_special=False) for t in CORPUS.values()]
+    randoms = [[rng.choice(specials) if r < 0.1 else rng.choice(low) if r < 0.5 else rng.randrange(real.vocab_size)
+                for r in (rng.random() for _ in range(rng.randint(1, 40)))] for _ in range(200)]
+    for ids in texts + randoms:
+        for skip in (True, False):
+            det = real.detokenizer(skip_special=skip)
+            pieces, i = [], 0
+            while i < len(ids):
+                k = rng.randint(1, 6)
+                pieces.append(det.push_many(ids[i:i + k]))
+                i += k
+            pieces.append(det.flush())
+            assert "".join(pieces) == real.decode(ids, skip_special=skip), ids
+            if "\ufffd" not in real.decode(ids, skip_special=skip):
+                assert not any("\ufffd" in p for p in pieces)
+
+
 def test_detokenizer_work_per_token_is_bounded(real: Tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
     ids = real.encode(TRAINING_TEXT * 3)
     seen: list[int] = []

@@ -171,9 +171,13 @@ class GenerationRun:
             thinking.check(pipeline.in_reasoning)  # a budget of 0: closed before the first token
             async for new in engine.stream(self.gen):
                 batch: list[Event] = []
-                for token in new:
-                    thinking.count(pipeline.in_reasoning)
-                    batch.extend(pipeline.push(detok.push(token)))
+                if pipeline.has_reasoning:  # each token counts as reasoning or not, by where it lands
+                    for token in new:
+                        thinking.count(pipeline.in_reasoning)
+                        batch.extend(pipeline.push(detok.push(token)))
+                else:  # all answer text: the tokens of one event are decoded and parsed as one piece
+                    thinking.seen += len(new)
+                    batch = pipeline.push(detok.push_many(new))
                 for ev in merge_events(batch):  # tokens that arrived together go out as one delta
                     if isinstance(ev, ToolCallEnd):
                         self.tool_calls.append(ev)

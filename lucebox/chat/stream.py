@@ -52,6 +52,11 @@ class EventPipeline:
         return self._splitter is not None and self._splitter.saw_reasoning
 
     @property
+    def has_reasoning(self) -> bool:
+        """Whether the model has reasoning markup (else all its output is answer text)."""
+        return self._splitter is not None
+
+    @property
     def in_reasoning(self) -> bool:
         """Whether the model is still inside its reasoning (for the thinking budget)."""
         return self._splitter is not None and self._splitter.in_reasoning

@@ -195,9 +195,16 @@ class IncrementalDetokenizer:
 
     def push(self, token_id: int) -> str:
         """Add one generated id; return the text it completes (often "", never half a character)."""
-        token_id = int(token_id)
-        self._ids.append(token_id)
-        if token_id in self._tok._byte_ids or (self._skip and token_id in self._tok.special_ids):
+        return self.push_many([token_id])
+
+    def push_many(self, token_ids: list[int]) -> str:
+        """Add ids that arrived together; return the text they complete (one window decode for all of them:
+        the same text as pushing them one by one, in fewer pieces)."""
+        if not token_ids:
+            return ""
+        self._ids.extend(int(t) for t in token_ids)
+        last = self._ids[-1]
+        if last in self._tok._byte_ids or (self._skip and last in self._tok.special_ids):
             # A run of byte tokens decodes as one group (skipped tokens do not break it): wait for its end.
             return ""
         return self._emit(final=False)
