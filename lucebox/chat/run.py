@@ -176,7 +176,7 @@ class GenerationRun:
                         thinking.count(pipeline.in_reasoning)
                         batch.extend(pipeline.push(detok.push(token)))
                 else:  # all answer text: the tokens of one event are decoded and parsed as one piece
-                    thinking.seen += len(new)
+                    thinking.count_answer(len(new))
                     batch = pipeline.push(detok.push_many(new))
                 for ev in merge_events(batch):  # tokens that arrived together go out as one delta
                     if isinstance(ev, ToolCallEnd):
@@ -272,6 +272,10 @@ class ThinkingBudget:
                 self.engine.hold(self.gen, self.hold)
             self.tokens += 1
         self.seen += 1
+
+    def count_answer(self, n: int) -> None:
+        """`n` output tokens of a model without reasoning markup (none of them reasoning)."""
+        self.seen += n
 
     def check(self, in_reasoning: bool) -> None:
         """After the tokens that arrived together: at (or past) the hold, close the reasoning or lift the hold;
