@@ -209,3 +209,16 @@ def test_graph_carry_equals_host_ids_on_cuda(smollm2_path):
         del eng
         torch.cuda.empty_cache()
     assert outs[0] == outs[1]
+
+
+def test_generate_returns_with_the_engine_idle(engines, prompts, plain):
+    """`generate` resolves the step it launched ahead for sequences that had ended, so the engine is idle
+    after it and may switch speculation (bench spec does, between its plain and speculative runs)."""
+    stop = frozenset({plain[1][5]})  # ends at a stop token, not at the length limit
+    params = SamplingParams(max_tokens=24, stop_token_ids=stop)
+    ref = engines[0].generate([prompts[1]], params)[0]
+    assert len(ref) <= 6
+    eng = engines[1]
+    assert eng.generate([prompts[1]], params) == [ref]
+    assert not eng.has_work()
+    eng.set_speculation(None)

@@ -860,6 +860,7 @@ class LLMEngine:
         seqs = [self.add(p, sp) for p, sp in zip(prompts, plist)]
         while any(not s.is_finished for s in seqs):
             self.step()
+        self.settle()  # a step launched ahead for these finished sequences: resolved, so the engine is idle
         return [s.output_ids for s in seqs]
 
     def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[int]:
