@@ -408,5 +408,23 @@ def test_time_budget_fits_the_step_count_to_the_pace():
     # 10 steps took 5 s: 15 s left at 0.5 s a step is 30 more steps.
     assert fit_steps(10, 10, 5.0, 20.0, 1000) == 40
     assert fit_steps(10, 10, 5.0, 20.0, 25) == 25  # never past the configured steps
-    assert fit_steps(10, 10, 30.0, 20.0, 1000) == 11  # over budget: stop after the next step
+    assert fit_steps(10, 10, 30.0, 20.0, 1000) == 10  # over budget: stop at this step
     assert fit_steps(25, 25, 30.0, 20.0, 25) == 25
+
+
+def test_a_spent_time_budget_ends_the_run(tiny_gguf, tmp_path):
+    """Once `--time-budget` is spent the run ends where it is, checkpointed and evaluated (it used to refit
+    the count to one more step after every step and train on at a finished schedule's zero rate)."""
+    loaded = load(tiny_gguf("llama", "F32"))
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 380) for _ in range(rng.randrange(4, 12))] for _ in range(18)]
+    engine = generation_engine(loaded, 16, 12, 24)
+    examples = generate_examples(loaded, prompts[:16], max_new_tokens=24, batch=16, engine=engine, quiet=True)
+    trainer = Trainer(loaded, engine, examples, new_drafter(loaded, layers=1, block_size=4, target_layers=[0, 1]),
+                      TrainConfig(steps=2000, batch=2, anchors=8, save_dtype="float32"))
+    opts = RunOptions(out=tmp_path / "d", log_every=1000, save_every=1000, eval_prompts=prompts[16:],
+                      eval_tokens=8, eval_ddtree_budget=4, time_budget=0.3, quiet=True)
+    result = run_training(trainer, opts)
+    assert result["finished"] and 3 <= result["step"] == result["total"] == trainer.step < 2000
+    assert [e["step"] for e in trainer.evals] == [trainer.step, trainer.step]  # chain, then DDTree
+    assert Trainer.resume(loaded, engine, examples, tmp_path / "d").step == trainer.step

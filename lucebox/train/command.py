@@ -172,11 +172,12 @@ def run_training(trainer: Trainer, opts: RunOptions) -> dict[str, Any]:
 
 
 def fit_steps(step: int, done: int, elapsed: float, budget: float, total: int) -> int:
-    """The step count that ends near `budget` seconds at the pace so far (never more than `total`).
+    """The step count that ends near `budget` seconds at the pace so far (never more than `total`); `step`
+    itself once the budget is spent, so the run ends (checkpoint, evaluations) at this step.
 
     The pace includes evaluations and checkpoints, so it errs on the short side."""
     left = max(0.0, budget - elapsed)
-    return max(step + 1 if step < total else step, min(total, step + int(left / (elapsed / done))))
+    return max(step, min(total, step + int(left / (elapsed / done))))
 
 
 def _evaluate(trainer: Trainer, opts: RunOptions, step: int, mode: str) -> dict[str, Any]:
