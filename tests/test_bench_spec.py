@@ -1,0 +1,35 @@
+"""`bench spec` end to end on the CPU: the default model with its shipped drafter, plain vs chain vs DDTree on
+one suite, each configuration warmed up once and then run over every suite; greedy speculative output equals
+plain output token for token (fp32), and the report holds every row it promises."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from lucebox.cli import main
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+DRAFTER = Path(__file__).resolve().parents[1] / "model_cards" / "drafters" / "smollm2-135m-instruct-dflash"
+
+
+def test_bench_spec_greedy_equals_plain_in_every_configuration(smollm2_path: Path, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "spec.json"
+    assert main(["bench", "spec", "--model", str(smollm2_path), "--device", "cpu", "--draft", str(DRAFTER),
+                 "--suite", "gsm,mtbench", "--prompts", "1", "--max-new", "12", "--budgets", "4",
+                 "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    got = {(r["suite"], r["config"], r["temperature"]): r for r in report["results"]}
+    configs = ("plain", "chain", "ddtree b=4")
+    assert set(got) == {(s, c, t) for s in ("gsm", "mtbench") for c in configs for t in (0, 1)}
+    for (suite, config, temp), r in got.items():
+        assert r["tokens"] > 0 and r["tok_s"] > 0
+        if temp == 0:
+            assert r["identical_to_plain"] is True, (suite, config)  # lossless
+        assert r["tau"] == 1.0 if config == "plain" else r["tau"] >= 1.0
+    assert got["gsm", "plain", 0]["speedup"] == 1.0
+    table = capsys.readouterr().out
+    assert "ddtree b=4" in table and "T=1" in table
