@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from lucebox.bench.spec import agreement
 from lucebox.cli import main
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -28,8 +29,15 @@ def test_bench_spec_greedy_equals_plain_in_every_configuration(smollm2_path: Pat
     for (suite, config, temp), r in got.items():
         assert r["tokens"] > 0 and r["tok_s"] > 0
         if temp == 0:
-            assert r["identical_to_plain"] is True, (suite, config)  # lossless
+            assert r["identical_to_plain"] is True and r["agreement"] == 1.0, (suite, config)  # lossless
         assert r["tau"] == 1.0 if config == "plain" else r["tau"] >= 1.0
     assert got["gsm", "plain", 0]["speedup"] == 1.0
     table = capsys.readouterr().out
     assert "ddtree b=4" in table and "T=1" in table
+
+
+def test_agreement_counts_tokens_up_to_the_first_difference() -> None:
+    plain = [[1, 2, 3, 4], [5, 6]]
+    assert agreement(plain, plain) == 1.0
+    assert agreement([[1, 2, 9, 4], [5, 6, 7]], plain) == 4 / 6  # 2 of 4, then 2 of 2 (a longer output too)
+    assert agreement([[9], []], plain) == 0.0

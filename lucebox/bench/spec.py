@@ -6,7 +6,9 @@ plain decoding, chain verify, and DDTree at a few budgets, then temperature 1
 for plain and chain. Reports per configuration the acceptance length τ
 (tokens per target forward), decode tok/s and the speedup over plain decoding
 measured in the same run. Greedy speculative output is checked equal to
-plain output (it must be: speculation is lossless).
+plain output (it must be, in fp32: speculation is lossless), and the greedy
+token agreement rate is reported (`agree`: in bf16 a verify pass and a plain
+step may round a close call differently).
 
 Each configuration runs every suite after one start-up warm-up of its own
 (`LLMEngine.warm_up`: every CUDA graph bucket its steps can reach, the adaptive
@@ -54,6 +56,19 @@ def run_config(engine: LLMEngine, spec: Any, prompts: list[list[int]], params: S
     tokens = sum(len(o) for o in outputs)
     tau = spec.stats.acceptance_length if spec is not None else 1.0
     return {"outputs": outputs, "tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds, "tau": tau}
+
+
+def agreement(outputs: list[list[int]], plain: list[list[int]]) -> float:
+    """The greedy token agreement rate with plain decoding: each prompt's tokens up to its first difference from
+    the plain output, over all plain tokens (1.0: identical; in bf16 a verify pass and a decode step may round
+    differently, and after the first different token the two outputs go their own ways)."""
+    same = 0
+    for out, ref in zip(outputs, plain):
+        for a, b in zip(out, ref):
+            if a != b:
+                break
+            same += 1
+    return same / max(1, sum(len(ref) for ref in plain))
 
 
 def main(args: argparse.Namespace) -> int:
@@ -110,17 +125,20 @@ def main(args: argparse.Namespace) -> int:
                 r = runs.get((suite, label, sampling))
                 if r is None:
                     continue
-                same = r["outputs"] == base["outputs"] if sampling == "greedy" else None
-                rows.append([suite, label, sampling, r["tau"], r["tok_s"], r["tok_s"] / base["tok_s"], same])
-                results.append({"suite": suite, "config": label, "temperature": 0 if sampling == "greedy" else 1,
+                greedy_run = sampling == "greedy"
+                same = r["outputs"] == base["outputs"] if greedy_run else None
+                agree = agreement(r["outputs"], base["outputs"]) if greedy_run else None
+                rows.append([suite, label, sampling, r["tau"], r["tok_s"], r["tok_s"] / base["tok_s"], same, agree])
+                results.append({"suite": suite, "config": label, "temperature": 0 if greedy_run else 1,
                                 "tau": r["tau"], "tok_s": r["tok_s"], "speedup": r["tok_s"] / base["tok_s"],
-                                "tokens": r["tokens"], **({"identical_to_plain": same} if same is not None else {})})
+                                "tokens": r["tokens"],
+                                **({"identical_to_plain": same, "agreement": agree} if greedy_run else {})})
     progress.close()
     engine.set_speculation(None)
     title = (f"bench spec: {loaded.config.name} + DFlash drafter {draft} ({drafter.cfg.num_layers} layers, block "
              f"{drafter.cfg.block_size}) on {engine.device}, batch 1, {args.prompts} prompts/suite, "
              f"max {args.max_new} new tokens")
-    print_table(title, ["suite", "config", "sampling", "tau", "tok/s", "speedup", "identical"], rows)
+    print_table(title, ["suite", "config", "sampling", "tau", "tok/s", "speedup", "identical", "agree"], rows)
     write_json(args.json, {"benchmark": "spec", "model": str(loaded.path), "drafter": str(draft),
                            "dtype": str(loaded.dtype), "env": environment(engine.device), "results": results})
     return 0
