@@ -59,20 +59,10 @@ def test_constrained_output_follows_the_schema_and_leaves_the_batch_alone(plain)
 
 
 def test_constrained_sampling_draws_only_what_the_grammar_allows(plain):
-    """Sampled at temperature 1, every answer that ends (its JSON complete) follows the schema. The 135M model
-    sometimes runs on in the whitespace JSON allows until the length limit; those end as "length"."""
     prompts = [chat_prompt(plain.tokenizer, q) for q in QUESTIONS]
-    ended = 0
-    for seed in (7, 9):
-        params = SamplingParams(temperature=1.0, top_p=0.95, seed=seed, max_tokens=64, logprobs=2)
-        for out in run(plain, prompts, params, {0, 1, 2}, complete=False):
-            text = plain.tokenizer.decode(out)
-            if len(out) < 64:
-                jsonschema.validate(json.loads(text), SCHEMA)
-                ended += 1
-            else:
-                assert text.lstrip().startswith("{")
-    assert ended >= 3  # the validation above ran on real answers
+    params = SamplingParams(temperature=1.0, top_p=0.95, seed=7, max_tokens=64, logprobs=2)
+    for out in run(plain, prompts, params, {0, 1, 2}):
+        jsonschema.validate(json.loads(plain.tokenizer.decode(out)), SCHEMA)
 
 
 @pytest.mark.parametrize("ddtree", [False, True])

@@ -233,13 +233,11 @@ def spec_run(drafted, seeds: Sequence[int | None], *, ddtree: bool, walk=None,
 
 def lossy_walk(chunk, choose):
     """The classic lossy rule: on a rejection, the bonus is redrawn from the full distribution (not the residual),
-    so a draft token gets a second chance: P(d) becomes p + (1 - p) p. (A seeded draw is a function of its
-    output position, so the redraw passes one more accepted token to get fresh noise; nothing else here
-    reads that history: no penalties, no grammar.)"""
+    so a draft token gets a second chance: P(d) becomes p + (1 - p) p."""
     path, tokens = REAL_WALK(chunk, choose)
     parents = chunk.parents or list(range(-1, chunk.n - 1))
     if any(parents[i] == path[-1] for i in range(chunk.n)):  # stopped on a mismatch
-        tokens[-1] = choose(path[-1], tokens)
+        tokens[-1] = choose(path[-1], tokens[:-1])
     return path, tokens
 
 

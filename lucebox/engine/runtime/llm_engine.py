@@ -33,6 +33,7 @@ from lucebox.engine.runtime.sampler import (
     SamplingError,
     SamplingParams,
     TokenLogprobs,
+    make_generator,
     sample,
 )
 from lucebox.engine.runtime.scheduler import Scheduler
@@ -565,7 +566,8 @@ class LLMEngine:
             params.validate()
         except ValueError as exc:
             raise LuceboxError(str(exc)) from None
-        return Sequence(list(prompt_ids), params, constraint=constraint)
+        return Sequence(list(prompt_ids), params, generator=make_generator(params.seed, self.device),
+                        constraint=constraint)
 
     def abort(self, seq: Sequence, reason: str = "cancelled") -> None:
         """End `seq` now; with reason "stop" (the answer is complete) its prefix is still cached."""
@@ -830,8 +832,8 @@ class LLMEngine:
             allowed = None if grammar is None else expand_masks(grammar.mask_after(accepted)[None],
                                                                 logits.shape[-1], logits.device)
             try:
-                toks, lp = sample(logits[row: row + 1],
-                                  [SampleRow(p, seq.prompt_ids, history, seq.num_output + len(accepted))], allowed)
+                toks, lp = sample(logits[row: row + 1], [SampleRow(p, seq.prompt_ids, history, seq.generator)],
+                                  allowed)
             except Exception as exc:  # noqa: BLE001 - handed to the caller through `failed`
                 failed[seq] = exc
                 return -1
@@ -848,7 +850,7 @@ class LLMEngine:
     def _row(c: Chunk) -> SampleRow:
         s = c.seq
         # Penalties need the history; copying it every step would cost O(length) for nothing otherwise.
-        return SampleRow(s.params, s.prompt_ids, s.output_ids if s.params.has_penalties else [], s.num_output)
+        return SampleRow(s.params, s.prompt_ids, s.output_ids if s.params.has_penalties else [], s.generator)
 
     # ----- conveniences (CLI, tests, benchmarks) -----------------------------
 
