@@ -89,16 +89,13 @@ class KnowingDrafter(SpecDecoder):
 
 class KnowingStatic(StaticSpec):
     """StaticSpec with its drafter pass replaced by a KnowingDrafter's drafts (the rest, verification and the
-    accepted rows' bookkeeping with the hybrid's states, as served)."""
+    accepted rows' bookkeeping with the hybrid's states, as served: a greedy chain in the one-launch step)."""
 
-    def step(self, chunks, chooser):
+    def step(self, chunks, chooser, argmax=False):
         self.chunks = chunks
-        return super().step(chunks, chooser)
+        return super().step(chunks, chooser, argmax)
 
-    def _graph(self, kind: str, b: int, c: int):
-        if kind != "draft":
-            return super()._graph(kind, b, c)
-
+    def _draft_fn(self, b: int, c: int):
         def draft():
             lp = torch.full((b, self.B - 1, self.drafter.cfg.vocab_size), -30.0)
             lp[:len(self.chunks)] = self.spec.draft_logprobs(self.chunks)
@@ -144,6 +141,8 @@ def test_rollback_after_partial_acceptance(files, plain, ddtree: bool, kernels: 
     stats = knowing.stats
     assert stats.acceptance_length > (4.0 if ddtree else 2.5), stats  # drafts accepted (in trees off the chain)
     assert stats.committed < stats.steps * e.spec.block, stats  # ... and rejected in part
+    if static:  # greedy: a chain in the one-launch step, a tree in three
+        assert {k[0] for k in knowing.static.graphs} == ({"draft", "verify", "extend"} if ddtree else {"chain"})
 
 
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])

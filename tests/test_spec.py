@@ -103,16 +103,20 @@ def test_a_held_sequence_stops_within_a_block_of_its_hold(tiny_gguf, tmp_path):
 
 
 def test_default_model_greedy_spec_equals_plain_with_its_shipped_drafter(smollm2_path):
-    """fp32: chain and DDTree give plain decoding's tokens, one sequence alone and three batched."""
+    """fp32: chain and DDTree give plain decoding's tokens, one sequence alone and three batched; also the
+    fixed-shape steps (CUDA graphs on the GPU, eager here), where a greedy chain is the one-launch step that
+    finds the accepted length on the device."""
     plain = engine(smollm2_path)
     prompts = [chat_prompt(plain.tokenizer, q) for q in HELD_OUT]
     params = SamplingParams(max_tokens=32, ignore_eos=True)
     ref = plain.generate(prompts, params)
-    for ddtree in (False, True):
-        spec = engine(smollm2_path, draft=str(SHIPPED), ddtree=ddtree, ddtree_budget=22)
+    for ddtree, static in ((False, False), (True, False), (False, True)):
+        spec = engine(smollm2_path, draft=str(SHIPPED), ddtree=ddtree, ddtree_budget=22, spec_static=static)
         assert spec.generate(prompts[:1], params) == ref[:1]
         assert spec.generate(prompts, params) == ref
         assert spec.spec.stats.acceptance_length > 1.0
+        if static:
+            assert {k[0] for k in spec.spec.static.graphs} == {"chain"}  # every step the one-launch chain
 
 
 def test_shipped_drafter_beats_a_fresh_one_on_held_out_prompts(smollm2_path, tmp_path):
@@ -164,6 +168,8 @@ def test_static_steps_equal_dynamic_steps(tiny_gguf, tmp_path, arch, ddtree):
     assert static.spec.static is not None
     assert static.generate(PROMPTS, params) == plain
     assert static.spec.static.graphs, "the static path did not run"
+    # greedy: a chain's steps are the one-launch step; a tree's the three launches
+    assert {k[0] for k in static.spec.static.graphs} == ({"draft", "verify", "extend"} if ddtree else {"chain"})
     assert static.kv.pool.num_used == 0 and static.spec.kv.pool.num_used == 0
     sampled = SamplingParams(max_tokens=30, temperature=0.9, seed=3, ignore_eos=True)
     dynamic = engine(target, draft=str(draft), ddtree=ddtree, ddtree_budget=9, spec_static=False)
@@ -185,4 +191,4 @@ def test_cuda_graph_spec_equals_plain(smollm2_path, tmp_path, ddtree):
                tok.encode("def fib(n):\n    "), tok.encode("The three primary colors are")]
     params = SamplingParams(max_tokens=48, ignore_eos=True)
     assert spec.generate(prompts, params) == plain.generate(prompts, params)
-    assert any(k[0] == "verify" for k in spec.spec.static.graphs)
+    assert any(k[0] == ("verify" if ddtree else "chain") for k in spec.spec.static.graphs)

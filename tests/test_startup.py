@@ -85,7 +85,8 @@ def test_spec_graph_keys_cover_every_bucket_and_kind(tiny_gguf, tmp_path):
     static = engine.spec.static
     keys = static.graph_keys()
     buckets = all_buckets(static.batches, static.max_ctx)
-    assert len(keys) == 3 * len(buckets) == len(set(keys))
+    assert static.kinds == ("draft", "verify", "extend", "chain")  # a chain drafter: also the one-launch step
+    assert len(keys) == 4 * len(buckets) == len(set(keys))
     assert {(b, c) for _, b, c in keys} == _reachable(static.batches, static.max_ctx)
     # within a bucket verify comes before extend (extend reads verify's outputs)
     assert all(keys.index(("verify", b, c)) < keys.index(("extend", b, c)) for b, c in buckets)

@@ -77,14 +77,19 @@ def _run(args: argparse.Namespace, budgets: list[int], batches: list[int], taus:
         dcfg = drafter_config_for(target, layers=args.draft_layers, block_size=args.block,
                                   mask_token_id=target.vocab_size - 1)
         drafter = ready(DFlashDrafter.random(dcfg, seed=0), engine.device, loaded.dtype)
-    configs = [("chain", SpecDecoder(drafter, loaded.model, engine.kv, dtype=loaded.dtype))]
+    chain = SpecDecoder(drafter, loaded.model, engine.kv, dtype=loaded.dtype)
+    configs = [("chain", chain, True)]
+    if engine.device.type == "cuda":  # the same chain in three launches, as a sampled request's steps run
+        configs.append(("chain, 3 launches", chain, False))
     configs += [(f"ddtree b={b}", SpecDecoder(drafter, loaded.model, engine.kv, ddtree=True, budget=b,
-                                              dtype=loaded.dtype)) for b in budgets]
+                                              dtype=loaded.dtype), True) for b in budgets]
     progress = Progress("bench spec-cost", total=len(configs), unit="configs")
     rows: list[list[Any]] = []
     results: list[dict[str, Any]] = []
-    for label, spec in configs:
+    for label, spec, one_launch in configs:
         engine.set_speculation(spec)
+        if spec.static is not None:
+            spec.static.one_launch = one_launch
         for b, (plain, spec_s) in sorted(time_steps(engine, tuple(batches), args.steps).items()):
             r, n = spec_s / plain, spec.rows_per_step
             projected = [t / r if t <= n else None for t in taus]  # a step commits at most the rows it verifies

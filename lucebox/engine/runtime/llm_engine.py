@@ -739,13 +739,13 @@ class LLMEngine:
             step_lps: dict[int, list[TokenLogprobs | None]] = {}
 
             def chooser(chunk: Chunk, logits: torch.Tensor, best: list[int]) -> Callable[[int, list[int]], int]:
-                p = chunk.seq.params
-                if p.greedy and not p.has_penalties and p.logprobs is None and chunk.seq.constraint is None:
+                if _argmax_only(chunk.seq):
                     return lambda row, accepted: best[row]
                 return self._chooser(chunk.seq, logits.float(), step_lps.setdefault(chunk.seq.seq_id, []), failed)
 
             try:
-                committed = spec.static.step(drafting, chooser)
+                argmax = all(_argmax_only(c.seq) and not c.seq.forced_tokens for c in drafting)
+                committed = spec.static.step(drafting, chooser, argmax=argmax)
             except Exception as exc:  # noqa: BLE001 - no sequence has changed yet: isolate the failing one
                 return self._spec_one_by_one(chunks, exc)
             if committed is not None:
@@ -822,7 +822,7 @@ class LLMEngine:
         which no draft token equals, so the walk ends there (the caller then fails the sequence)."""
         p = seq.params
         grammar = seq.constraint
-        if p.greedy and not p.has_penalties and p.logprobs is None and grammar is None:
+        if _argmax_only(seq):
             best = logits.argmax(-1).tolist()
             return lambda row, accepted: best[row]
 
@@ -898,3 +898,9 @@ class LLMEngine:
             self.kv.pool.decref(seq.block_table)
             if seq.state_slot:
                 self.kv.states.free(seq.state_slot)  # type: ignore[union-attr]
+
+
+def _argmax_only(seq: Sequence) -> bool:
+    """The target's choice at a verified row is its argmax: greedy, no penalties, logprobs or grammar."""
+    p = seq.params
+    return p.greedy and not p.has_penalties and p.logprobs is None and seq.constraint is None

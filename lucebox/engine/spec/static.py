@@ -88,6 +88,7 @@ class StaticSpec:
         self.N = spec.rows_per_step
         self.K = 8 if spec.ddtree and spec.budget > spec.block - 1 else 1
         self.graphs: dict[tuple[str, int, int], _Graphed] = {}
+        self.one_launch = True  # greedy chains in one launch (`_chain_fn`); off: three, as sampled ones (benchmarks)
         self.ready = False  # set by the engine's warm-up; a capture after it is counted
         self.captures_after_ready = 0
         self._outs: dict[tuple[str, int], Any] = {}  # (kind, batch) -> the outputs its graphs share
@@ -121,11 +122,15 @@ class StaticSpec:
     def buckets_for(self, n: int, ctx: int) -> tuple[int, int] | None:
         return pick_buckets(self.batches, self.max_ctx, n, ctx)
 
-    KINDS = ("draft", "verify", "extend")  # capture order within a bucket: extend reads verify's outputs
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """The graphs of a bucket, in capture order (extend reads verify's outputs); a chain drafter also has
+        the one-launch greedy step."""
+        return ("draft", "verify", "extend") + (() if self.spec.ddtree else ("chain",))
 
     def graph_keys(self) -> list[tuple[str, int, int]]:
         """Every graph a step can reach, largest bucket first (the start-up capture order)."""
-        return [(kind, b, c) for b, c in all_buckets(self.batches, self.max_ctx) for kind in self.KINDS]
+        return [(kind, b, c) for b, c in all_buckets(self.batches, self.max_ctx) for kind in self.kinds]
 
     @torch.inference_mode()
     def capture_all(self, advance: Callable[[int], None] | None = None) -> int:
@@ -168,52 +173,90 @@ class StaticSpec:
         return fn
 
     def _verify_fn(self, b: int, c: int) -> Callable[[], Any]:
-        n, cfg = self.N, self.target.cfg
-        window = cfg.sliding_window if cfg.has_sliding_layers else None
-
         @torch.inference_mode()
         def fn() -> Any:
             v = self.verify_in
-            pos = v.view("pos", b).flatten()
-            group = AttnGroup(0, b, n, c, self.draft_in.view("tables", b), self.draft_in.view("start", b)[:, 0] + n,
-                              pos, v.view("tree", b).flatten() if self.spec.ddtree else None)
-            meta = AttentionMetadata(v.view("slots", b).flatten(), self.page, [group], window)
-            extra = {}
-            if self.states is not None:  # every chunk a verification of n rows from its slot's state
-                fixed = (v.view("window", b).reshape(b, n, self.kernel), v.view("parents", b).to(torch.int32))
-                extra["state"] = StateRows(self.states, 0, v.view("sslot", b)[:, 0],
-                                           [(i * n, n, 1, -1) for i in range(b)], trees=list(self._trees[:b]),
-                                           fixed=fixed, kept=self.kept)
-            hidden, feats = self.target(v.view("ids", b).flatten(), pos, self.spec.target_kv.data, meta,
-                                        capture=self.spec.capture, **extra)
-            logits = self.target.logits(hidden)
-            return logits, logits.argmax(-1), feats
+            return self._verify(b, c, v.view("ids", b), v.view("pos", b), v.view("slots", b),
+                                v.view("tree", b).flatten() if self.spec.ddtree else None)
 
         return fn
 
+    def _verify(self, b: int, c: int, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
+                tree: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        """The target's pass over [b, n] verification rows: (logits, their argmax, the captured features)."""
+        n, cfg, v = self.N, self.target.cfg, self.verify_in
+        window = cfg.sliding_window if cfg.has_sliding_layers else None
+        pos = pos.flatten()
+        group = AttnGroup(0, b, n, c, self.draft_in.view("tables", b), self.draft_in.view("start", b)[:, 0] + n,
+                          pos, tree)
+        meta = AttentionMetadata(slots.flatten(), self.page, [group], window)
+        extra = {}
+        if self.states is not None:  # every chunk a verification of n rows from its slot's state
+            fixed = (v.view("window", b).reshape(b, n, self.kernel), v.view("parents", b).to(torch.int32))
+            extra["state"] = StateRows(self.states, 0, v.view("sslot", b)[:, 0],
+                                       [(i * n, n, 1, -1) for i in range(b)], trees=list(self._trees[:b]),
+                                       fixed=fixed, kept=self.kept)
+        hidden, feats = self.target(ids.flatten(), pos, self.spec.target_kv.data, meta, capture=self.spec.capture,
+                                    **extra)
+        logits = self.target.logits(hidden)
+        return logits, logits.argmax(-1), feats
+
     def _extend_fn(self, b: int, c: int) -> Callable[[], Any]:
-        n, d = self.N, self.drafter
         verify = self.graphs[("verify", b, c)]
-        kv, tkv = self.spec.kv.data, self.spec.target_kv.data
 
         @torch.inference_mode()
         def fn() -> None:
-            _, _, feats = verify.out
             e = self.extend_in
-            rows = (e.view("rows", b) + self.kpos[:b][:, None] * n).flatten()
-            x = d.fuse([f[rows].to(kv.dtype) for f in feats])
-            cos, sin = d.rotary(e.view("pos", b).flatten(), x.dtype)
-            slots = e.view("dslots", b).flatten()
-            for i, layer in enumerate(d.layers):
-                k, v = layer.context_kv(x, cos, sin)
-                kv[i, 0].index_copy_(0, slots, k)
-                kv[i, 1].index_copy_(0, slots, v)
-            src, dst = e.view("src", b).flatten(), e.view("dst", b).flatten()
+            sslot = e.view("sslot", b)[:, 0] if self.states is not None else None
+            acc = e.view("acc", b)[:, 0] if self.states is not None else None
+            self._extend(b, verify.out[2], e.view("rows", b), e.view("pos", b), e.view("dslots", b),
+                         (e.view("src", b).flatten(), e.view("dst", b).flatten()), sslot, acc)
+
+        return fn
+
+    def _extend(self, b: int, feats: list[torch.Tensor], rows: torch.Tensor, pos: torch.Tensor, dslots: torch.Tensor,
+                moves: tuple[torch.Tensor, torch.Tensor] | None, sslot: torch.Tensor | None,
+                acc: torch.Tensor | None) -> None:
+        """The accepted rows' bookkeeping: drafter context K/V of `rows` [b, n] (verification rows, the path's
+        last repeated) at `pos`/`dslots`, the target KV `moves` (src -> dst slots; a tree's compaction) and
+        a hybrid's state after row `acc` of each sequence written to its slot `sslot`."""
+        n, d = self.N, self.drafter
+        kv, tkv = self.spec.kv.data, self.spec.target_kv.data
+        rows = (rows + self.kpos[:b][:, None] * n).flatten()
+        x = d.fuse([f[rows].to(kv.dtype) for f in feats])
+        cos, sin = d.rotary(pos.flatten(), x.dtype)
+        slots = dslots.flatten()
+        for i, layer in enumerate(d.layers):
+            k, v = layer.context_kv(x, cos, sin)
+            kv[i, 0].index_copy_(0, slots, k)
+            kv[i, 1].index_copy_(0, slots, v)
+        if moves is not None:
+            src, dst = moves
             tkv[:, :, dst] = tkv[:, :, src]
-            if self.states is not None:  # the state after each sequence's last accepted row becomes its slot's
-                seqs, acc, slots = self.kpos[:b], e.view("acc", b)[:, 0], e.view("sslot", b)[:, 0]
-                self.states.conv.index_copy_(1, slots, self.kept[0][:, seqs, acc])
-                self.states.ssm.index_copy_(1, slots, self.kept[1][:, seqs, acc + 1])
+        if self.states is not None:  # the state after each sequence's last accepted row becomes its slot's
+            seqs = self.kpos[:b]
+            self.states.conv.index_copy_(1, sslot, self.kept[0][:, seqs, acc])
+            self.states.ssm.index_copy_(1, sslot, self.kept[1][:, seqs, acc + 1])
+
+    def _chain_fn(self, b: int, c: int) -> Callable[[], Any]:
+        """A greedy chain step in one launch: draft, verify, the accepted length on the device (the drafts up to
+        the first that differs from the target's argmax) and the accepted rows' bookkeeping. Returns [b, n + 1]:
+        the target's argmax at every row, then the rows on the accepted path (the host reads it once)."""
+        draft, n, page = self._draft_fn(b, c), self.N, self.page
+
+        @torch.inference_mode()
+        def fn() -> Any:
+            d = self.draft_in
+            ids = torch.cat([d.view("ids", b)[:, :1], draft()[:, : n - 1]], 1)  # [b, n]: the last token + drafts
+            pos = d.view("start", b) + self.kpos[:n][None, :]
+            slots = d.view("tables", b).gather(1, pos // page) * page + pos % page  # padding rows: scratch block 0
+            _, best, feats = self._verify(b, c, ids, pos, slots, None)
+            best = best.view(b, n)
+            agreed = (ids[:, 1:] == best[:, :-1]).long().cumprod(1).sum(1)  # drafts accepted
+            rows = torch.minimum(self.kpos[:n][None, :], agreed[:, None])
+            sslot = self.verify_in.view("sslot", b)[:, 0] if self.states is not None else None
+            self._extend(b, feats, rows, pos, slots, None, sslot, agreed)  # a chain's path is in place: no moves
+            return torch.cat([best, agreed[:, None] + 1], 1)
 
         return fn
 
@@ -224,10 +267,13 @@ class StaticSpec:
             if self.ready:
                 self.captures_after_ready += 1
                 log.warning("spec graph %s batch=%d ctx=%d captured while serving (the warm-up missed it)", *key)
-            make = {"draft": self._draft_fn, "verify": self._verify_fn, "extend": self._extend_fn}[kind]
+            make = {"draft": self._draft_fn, "verify": self._verify_fn, "extend": self._extend_fn,
+                    "chain": self._chain_fn}[kind]
             # The eager runs before a capture execute the body: the bookkeeping's (its moves of KV rows are not
-            # idempotent) then points at scratch slot 0 and block 0, and its inputs are put back after.
-            inputs = [self.extend_in.dev] if kind == "extend" and self.device.type == "cuda" else []
+            # idempotent, and a hybrid's state slots are written) then points at scratch slot 0 and block 0, and
+            # its inputs are put back after.
+            inputs = {"extend": [self.extend_in.dev], "chain": [self.draft_in.dev, self.verify_in.dev]}.get(kind, [])
+            inputs = inputs if self.device.type == "cuda" else []
             held = [t.clone() for t in inputs]
             for t in inputs:
                 t.zero_()
@@ -242,10 +288,12 @@ class StaticSpec:
 
     @torch.inference_mode()
     def step(self, chunks: list[Chunk],
-             chooser: Callable[[Chunk, torch.Tensor, list[int]], Callable[[int, list[int]], int]]
-             ) -> list[list[int]] | None:
+             chooser: Callable[[Chunk, torch.Tensor, list[int]], Callable[[int, list[int]], int]],
+             argmax: bool = False) -> list[list[int]] | None:
         """Draft, verify and accept for decode chunks; None if no bucket fits (caller falls back).
 
+        `argmax`: every chunk's choice is the target's argmax (greedy, no penalties, logprobs, grammar or forced
+        tokens), so a chain step runs as one launch (`_chain_fn`) and `chooser` is not asked.
         The sequences' computed lengths change only at the end, so a step that raises leaves them as
         they were (the engine then runs the chunks one by one)."""
         spec, n = self.spec, self.N
@@ -262,6 +310,8 @@ class StaticSpec:
         ids[:g, 0] = [ch.seq.token_ids[ch.start] for ch in chunks]
         d.host("start")[:b, 0] = _pad([ch.start for ch in chunks], b)
         d.host("tables")[:b] = pad_tables([ch.seq.block_table for ch in chunks], self.max_ctx // self.page, b)
+        if argmax and not spec.ddtree and self.one_launch:
+            return self._chain_step(chunks, b, c)
         d.send(b)
         out = self._graph("draft", b, c)()
         verify: list[Chunk] = []
@@ -322,6 +372,25 @@ class StaticSpec:
         for ch, n_path in zip(chunks, paths):  # the sequences change only once every launch has run
             spec.record(ch.seq, ch.start, n_path)
             ch.seq.draft_len = ch.start + n_path
+        return committed
+
+    def _chain_step(self, chunks: list[Chunk], b: int, c: int) -> list[list[int]]:
+        """A greedy chain step (draft inputs filled): one replay, one read-back."""
+        g, n = len(chunks), self.N
+        self.draft_in.send(b)
+        if self.states is not None:
+            v = self.verify_in
+            v.np[:b] = 0
+            self._fill_states([Chunk(ch.seq, ch.start, n) for ch in chunks], b)
+            v.send(b)
+        out = self._graph("chain", b, c)()[:g].tolist()  # the step's one device->host read: [argmax..., n_path]
+        self.spec.stats.drafted += g * (n - 1)
+        committed = []
+        for ch, row in zip(chunks, out):
+            k = row[-1]
+            self.spec.record(ch.seq, ch.start, k)
+            ch.seq.draft_len = ch.start + k
+            committed.append(row[:k])
         return committed
 
     def _fill_states(self, verify: list[Chunk], b: int) -> None:
