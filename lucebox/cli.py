@@ -411,6 +411,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-prompts", type=int, default=None, help="use a seeded random subset of this many prompts")
     g.add_argument("--swe-per-issue", type=int, default=4, help="instructions per SWE-bench issue (1-8)")
     g.add_argument("--math-prompts", type=int, default=600, help="generated math word problems")
+    g.add_argument("--self-prompts", type=int, default=0, metavar="N",
+                   help="also N user messages the target writes itself from the start of a user turn (some steered "
+                        "toward code, math and writing; lucebox/train/self_prompts.py)")
     g.add_argument("--max-prompt-tokens", type=int, default=2048, help="drop longer prompts")
     g.add_argument("--max-new-tokens", type=int, default=256, help="response length the target generates")
     g.add_argument("--temperature", type=float, default=0.0, help="response sampling (0 = greedy)")

@@ -63,3 +63,46 @@ def test_prompts_at_scale_are_distinct_and_never_overlap_the_evaluation_suites()
     assert [p.messages for p in data.math_prompts(600)] == [p.messages for p in train if p.source == "math"][:600]
     with pytest.raises(LuceboxError, match="--swe-per-issue 9"):
         data.training_prompts(DATA_DIR, sources=["swe_bench"], swe_per_issue=9)
+
+
+def test_the_target_writes_user_prompts_of_its_own(smollm2_path, tmp_path):
+    """--self-prompts (the Magpie recipe): the default model continues the chat template's opening of a user turn;
+    what it ends itself becomes a training prompt (the steered openings kept), each text once, cached."""
+    from lucebox.chat.prompt import PromptBuilder
+    from lucebox.engine.weights.loader import load_model
+    from lucebox.train.self_prompts import OPENINGS, self_prompts, user_turn_prefix
+
+    loaded = load_model(smollm2_path, device=torch.device("cpu"), dtype=torch.float32, quiet=True)
+    builder = PromptBuilder.for_model(loaded)
+    prefix = builder.tokenizer.decode(user_turn_prefix(builder, "Write a Python function"))
+    assert prefix.endswith("<|im_start|>user\nWrite a Python function") and "<|im_start|>system" in prefix
+    n, cache = 12, tmp_path / "self-prompts.npz"
+    written = self_prompts(loaded, builder, n, seed=3, max_tokens=64, batch=12, cache=cache, quiet=True)
+    assert len(written) >= n // 2, [p.user_text() for p in written]  # most messages end before 64 tokens
+    texts = [p.user_text() for p in written]
+    assert len(set(texts)) == len(texts) and all(len(t.split()) >= 4 for t in texts)
+    assert all(p.source == "self" and [m["role"] for m in p.messages] == ["user"] for p in written)
+    for p in written:  # a steered prompt keeps its opening
+        i = int(p.id.rsplit("-", 1)[1])
+        assert p.user_text().startswith(OPENINGS[i % len(OPENINGS)])
+    stamp = cache.stat().st_mtime_ns
+    again = self_prompts(loaded, builder, n, seed=3, max_tokens=64, batch=12, cache=cache, quiet=True)
+    assert [p.messages for p in again] == [p.messages for p in written] and cache.stat().st_mtime_ns == stamp
+    other = self_prompts(loaded, builder, n, seed=4, max_tokens=64, batch=12, quiet=True)
+    assert [p.messages for p in other] != [p.messages for p in written]  # another seed, other prompts
+    assert data.drop_eval_overlap(written + [data.eval_prompts(DATA_DIR)[0]], DATA_DIR) == written
+
+
+def test_command_trains_on_self_written_prompts(tiny_gguf, tmp_path):
+    out = tmp_path / "run"
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "the cat sat on a mat"}) + "\n")
+    args = build_parser().parse_args([
+        "train-drafter", "--target", str(tiny_gguf("llama", "F32")), "--out", str(out), "--device", "cpu",
+        "--prompts", str(prompts), "--sources", "file", "--self-prompts", "6", "--max-new-tokens", "8",
+        "--layers", "1", "--block-size", "4", "--target-layers", "0,1", "--batch", "2", "--anchors", "8",
+        "--steps", "1", "--eval-prompts", "0", "--save-dtype", "float32", "--quiet"])
+    assert main(args) == 0
+    summary = json.loads((out / SUMMARY).read_text())
+    assert (out / "self-prompts.npz").exists() and "self" in summary["train_prompts"]
+    assert summary["n_examples"] == 1 + summary["train_prompts"]["self"]

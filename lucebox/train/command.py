@@ -3,7 +3,9 @@
 `python -m lucebox train-drafter --target MODEL --out DIR`:
 
 1. Prompts: the training split of lucebox.train.data (the suites `bench spec`
-   measures are never used), rendered with the target's chat template.
+   measures are never used), rendered with the target's chat template; with
+   `--self-prompts N` also N user messages the target writes itself
+   (lucebox.train.self_prompts; cached in OUT/self-prompts.npz).
 2. Responses: the target generates them (greedy by default), batched through
    LLMEngine. The token ids are cached in OUT/examples.npz: a second run, or a
    resumed one, does not regenerate (an interrupted generation resumes too).
@@ -77,6 +79,7 @@ from lucebox.train.trainer import FEATURES, TrainConfig, Trainer, export_drafter
 
 BENCH = "bench_trainer.json"
 EXAMPLES = "examples.npz"
+SELF_PROMPTS = "self-prompts.npz"  # the user messages --self-prompts had the target write
 TRAIN_LOG = "train_log.jsonl"
 SUMMARY = "summary.json"
 
@@ -246,6 +249,15 @@ def main(args: argparse.Namespace) -> int:
         sources.remove("file")
     prompts, counts = data.training_prompts(args.data_dir, sources=sources, files=args.prompts, seed=args.seed,
                                             swe_per_issue=args.swe_per_issue, math_count=args.math_prompts)
+    if args.self_prompts > 0:  # user messages the target writes itself (cached like the responses)
+        from lucebox.train.self_prompts import self_prompts
+
+        written = self_prompts(loaded, builder, args.self_prompts, seed=args.seed, batch=args.gen_batch,
+                               cache=out / SELF_PROMPTS, quiet=args.quiet)
+        kept = data.drop_eval_overlap(written, args.data_dir)
+        counts["self"] = len(kept)
+        counts["dropped_eval_overlap"] += len(written) - len(kept)
+        prompts += kept
     ids = [data.render(builder, p) for p in prompts]
     keep = [i for i, x in enumerate(ids) if len(x) <= args.max_prompt_tokens]
     if args.max_prompts is not None and len(keep) > args.max_prompts:

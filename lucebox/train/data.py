@@ -457,9 +457,17 @@ def training_prompts(data_dir: Path | None = None, *, sources: Iterable[str] = T
         raise LuceboxError("--prompts was given but `file` is not among --sources")
     for f in files:
         out += file_prompts(f)
+    kept = drop_eval_overlap(out, data_dir)
     counts: dict[str, int] = {}
-    # The evaluation texts, when the data folder has them: a training prompt equal to one, or sharing a run of
-    # OVERLAP_WORDS words with one, is dropped.
+    for p in kept:
+        counts[p.source] = counts.get(p.source, 0) + 1
+    counts["dropped_eval_overlap"] = len(out) - len(kept)
+    return kept, counts
+
+
+def drop_eval_overlap(prompts: list[Prompt], data_dir: Path | None = None) -> list[Prompt]:
+    """`prompts` without those equal to an evaluation text or sharing a run of OVERLAP_WORDS words with one
+    (the evaluation texts of the data folder, when it has them)."""
     held_out: set[str] = set()
     held_runs: set[str] = set()
     try:
@@ -468,11 +476,7 @@ def training_prompts(data_dir: Path | None = None, *, sources: Iterable[str] = T
             held_runs |= word_runs(t)
     except LuceboxError:
         pass
-    kept = [p for p in out if _norm(p.user_text()) not in held_out and not word_runs(p.user_text()) & held_runs]
-    for p in kept:
-        counts[p.source] = counts.get(p.source, 0) + 1
-    counts["dropped_eval_overlap"] = len(out) - len(kept)
-    return kept, counts
+    return [p for p in prompts if _norm(p.user_text()) not in held_out and not word_runs(p.user_text()) & held_runs]
 
 
 def _norm(text: str) -> str:
