@@ -386,6 +386,26 @@ def test_spec_warm_up_captures_every_graph(smollm2_path, tmp_path):
 
 
 @needs_cuda
+def test_a_second_warm_up_after_serving_changes_nothing(smollm2_path):
+    """`bench spec` warms the engine up once per configuration, after serving the one before: the prefill graphs'
+    timing replays on neutral inputs, not on the last real prefill's (its logit row, past the smallest bucket's
+    rows, was a device-side index assert that aborted the process; its slots some sequence's K/V)."""
+    from lucebox.engine.runtime.sampler import SamplingParams
+
+    engine = LLMEngine.from_path(smollm2_path, EngineConfig(device="cuda", max_num_seqs=1), quiet=True)
+    engine.warm_up(progress=False)
+    assert engine.runner.prefill_graphs is not None
+    prompt = engine.tokenizer.encode("x " * 150)  # a prefill of ~150 rows through a prefill graph
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    first = engine.generate([prompt], params)
+    replays = engine.runner.prefill_graphs.replays
+    assert replays > 0
+    engine.warm_up(progress=False)
+    torch.cuda.synchronize()
+    assert engine.generate([prompt], params) == first
+
+
+@needs_cuda
 def test_gpu_memory_cap_sizes_the_kv_cache_and_holds(smollm2_path):
     from lucebox.engine.runtime.sampler import SamplingParams
 

@@ -113,6 +113,9 @@ class PrefillGraphs:
                 self.graphs[rows] = self._capture(rows)
             if advance is not None:
                 advance(1)
+        # Timed on the capture's inputs, not on those a step left (an engine warmed up again after serving: a
+        # real step's logit row indexes past a small bucket's rows, and its slots are some sequence's K/V).
+        self._neutral_inputs()
         replay, eager = {}, {}
         for i, rows in enumerate(self.buckets):
             replay[rows] = self._time(self.graphs[rows].graph.replay)
@@ -127,8 +130,15 @@ class PrefillGraphs:
                  else "")
         return len(keep)
 
+    def _neutral_inputs(self) -> None:
+        """Inputs that touch nothing: row 0 everywhere (a stale logit row of a larger bucket would index past a
+        smaller one's rows), no tiles (they attend nothing), scratch slot 0."""
+        self.host_np[:] = 0
+        self._part(self.host_np, 7)[:] = -1
+        self.dev.copy_(self.host)
+
     def _time(self, fn: Callable[[], Any], reps: int = 3) -> float:
-        """Seconds one call of `fn` takes on the device (after a first call), the inputs as the capture left them."""
+        """Seconds one call of `fn` takes on the device (after a first call), on `_neutral_inputs`."""
         fn()
         torch.cuda.synchronize(self.device)
         t = time.perf_counter()
@@ -191,11 +201,7 @@ class PrefillGraphs:
 
     @torch.inference_mode()
     def _capture(self, rows: int) -> _Graph:
-        # Inputs for the capture's forwards: row 0 everywhere (a stale logit row of a larger bucket would
-        # index past this one's rows) and no tiles (they attend nothing). The step's own inputs come after.
-        self.host_np[:] = 0
-        self._part(self.host_np, 7)[:] = -1
-        self.dev.copy_(self.host)
+        self._neutral_inputs()  # for the capture's forwards; the step's own inputs come after
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream), graph_mode.rehearsal():

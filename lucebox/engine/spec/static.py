@@ -9,7 +9,10 @@ runs eagerly (the tests check it equals the dynamic path in dflash.py).
 
 Per step the host: fills the draft inputs → replay → reads the chain (argmax)
 or the top-K for the tree → builds the verification rows → replay → reads
-the target's choices → walks → fills the accepted rows → replay.
+the target's choices → walks → fills the accepted rows → replay. A greedy
+chain step (every sequence choosing by argmax) is one launch instead
+(`_chain_fn`): the verification rows, the accepted length and the bookkeeping
+are worked out on the device, and the host reads the result once.
 
 A hybrid target (models/qwen35.py) verifies from each sequence's state slot,
 its rows' conv windows and parent states filled in buffers like the rest (the
