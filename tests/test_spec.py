@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -102,21 +103,24 @@ def test_a_held_sequence_stops_within_a_block_of_its_hold(tiny_gguf, tmp_path):
     assert spec.kv.pool.num_used == 0 and spec.spec.kv.pool.num_used == 0
 
 
-def test_default_model_greedy_spec_equals_plain_with_its_shipped_drafter(smollm2_path):
+def test_default_model_greedy_spec_equals_plain_with_its_shipped_drafter(smollm2_path, monkeypatch):
     """fp32: chain and DDTree give plain decoding's tokens, one sequence alone and three batched; also the
-    fixed-shape steps (CUDA graphs on the GPU, eager here), where a greedy chain is the one-launch step that
-    finds the accepted length on the device."""
+    fixed-shape steps (CUDA graphs on the GPU, eager here), where a greedy chain or tree is the one-launch step
+    that builds the tree, walks it and compacts its KV on the device."""
+    from lucebox.engine.spec import static as static_mod
+
+    monkeypatch.setattr(static_mod, "TREE_ONE_LAUNCH", True)  # the tree's one-launch step (the default)
     plain = engine(smollm2_path)
     prompts = [chat_prompt(plain.tokenizer, q) for q in HELD_OUT]
     params = SamplingParams(max_tokens=32, ignore_eos=True)
     ref = plain.generate(prompts, params)
-    for ddtree, static in ((False, False), (True, False), (False, True)):
+    for ddtree, static in ((False, False), (True, False), (False, True), (True, True)):
         spec = engine(smollm2_path, draft=str(SHIPPED), ddtree=ddtree, ddtree_budget=22, spec_static=static)
         assert spec.generate(prompts[:1], params) == ref[:1]
         assert spec.generate(prompts, params) == ref
         assert spec.spec.stats.acceptance_length > 1.0
         if static:
-            assert {k[0] for k in spec.spec.static.graphs} == {"chain"}  # every step the one-launch chain
+            assert {k[0] for k in spec.spec.static.graphs} == {"tree" if ddtree else "chain"}  # one launch
 
 
 def test_shipped_drafter_beats_a_fresh_one_on_held_out_prompts(smollm2_path, tmp_path):
@@ -156,10 +160,88 @@ def test_build_tree_seeds_the_chain_and_grows_best_first():
     assert all(p < i + 1 for i, p in enumerate(parents))  # parents precede children
 
 
+def _draft_top(b: int, D: int, K: int, seed: int, ties: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    lp = torch.randn(b, D, K, generator=gen).mul(2)
+    if ties:  # a few values repeated, exact zeros and -inf: ties everywhere
+        lp = lp.round()
+        lp[:, :, -1] = float("-inf")
+    lp = lp.log_softmax(-1).sort(-1, descending=True).values
+    return lp, torch.randperm(1000, generator=gen)[: b * D * K].view(b, D, K)
+
+
+def _tree_paths(tokens: list[int], parents: list[int]) -> dict[int, tuple[int, ...]]:
+    out = {0: ()}  # row -> its token path from the root (row 0)
+    for r, (t, p) in enumerate(zip(tokens, parents), start=1):
+        out[r] = out[p] + (t,)
+    return out
+
+
+def _check_tree(nodes, parent, depth, bits, n: int) -> None:
+    """Parents before children, depths that follow the parents, bits of the ancestor-or-self rows."""
+    for r in range(1, n):
+        assert parent[r] < r and depth[r] == depth[parent[r]] + 1
+    for r in range(n):
+        ancestors, a = 1 << r, r
+        while a:
+            a = int(parent[a])
+            ancestors |= 1 << a
+        assert int(bits[r]) & ((1 << 64) - 1) == ancestors
+
+
+@pytest.mark.parametrize("budget", [4, 9, 22, 40])
+def test_beam_trees_hold_build_trees_nodes(budget):
+    """The one-launch step's torch tree path (kernels/triton_tree.py `beam_trees`, batched, no host sync) has
+    build_tree's nodes: the same token paths from the root, rows in depth order."""
+    from lucebox.engine.kernels.triton_tree import beam_trees
+
+    b, D, K = 3, 7, 8
+    budget = max(budget, D)
+    lp, tok = _draft_top(b, D, K, budget)
+    nodes, parent, depth, bits = beam_trees(lp, tok, budget + 1)
+    for i in range(b):
+        want = _tree_paths(*build_tree(lp[i].tolist(), tok[i].tolist(), budget))
+        got = _tree_paths(nodes[i].tolist(), parent[i, 1:].tolist())
+        assert sorted(got.values()) == sorted(want.values())
+        assert depth[i].tolist() == sorted(depth[i].tolist())
+        _check_tree(nodes[i], parent[i], depth[i], bits[i], budget + 1)
+    lp, tok = _draft_top(b, D, K, budget, ties=True)  # ties: some tree, closed under parents
+    nodes, parent, depth, bits = beam_trees(lp, tok, budget + 1)
+    for i in range(b):
+        _check_tree(nodes[i], parent[i], depth[i], bits[i], budget + 1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="needs CUDA, or TRITON_INTERPRET=1 on the CPU")
+@pytest.mark.parametrize("shape", [(2, 15, 8, 22), (3, 7, 8, 9), (1, 4, 3, 30), (2, 15, 8, 63)])
+def test_tree_kernel_is_build_tree(shape, monkeypatch):
+    """The Triton tree kernel runs build_tree itself: the same nodes in the same order, ties included."""
+    from lucebox.engine.kernels import triton_tree
+
+    if triton_tree.triton is None:
+        pytest.skip("no triton")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    monkeypatch.setattr(triton_tree, "ON_CPU", device == "cpu")
+    b, D, K, budget = shape
+    for ties in (False, True):
+        lp, tok = _draft_top(b, D, K, budget, ties=ties)
+        nodes, parent, depth, bits = (t.cpu() for t in triton_tree.draft_trees(lp.to(device), tok.to(device),
+                                                                              budget + 1))
+        for i in range(b):
+            want_tokens, want_parents = build_tree(lp[i].tolist(), tok[i].tolist(), budget)
+            assert nodes[i].tolist() == want_tokens and parent[i, 1:].tolist() == want_parents
+            _check_tree(nodes[i], parent[i], depth[i], bits[i], budget + 1)
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
-@pytest.mark.parametrize("ddtree", [False, True])
-def test_static_steps_equal_dynamic_steps(tiny_gguf, tmp_path, arch, ddtree):
-    """The fixed-shape step (CUDA graphs on GPU; eager here) gives the same tokens as the dynamic one."""
+@pytest.mark.parametrize("ddtree", [False, True, "one launch"])
+def test_static_steps_equal_dynamic_steps(tiny_gguf, tmp_path, arch, ddtree, monkeypatch):
+    """The fixed-shape step (CUDA graphs on GPU; eager here) gives the same tokens as the dynamic one; a greedy
+    tree in one launch (TREE_ONE_LAUNCH, the default) or three."""
+    from lucebox.engine.spec import static as static_mod
+
+    monkeypatch.setattr(static_mod, "TREE_ONE_LAUNCH", ddtree == "one launch")
+    one_launch_tree, ddtree = ddtree == "one launch", bool(ddtree)
     target = tiny_gguf(arch, "F32", **({"sliding_window": 8} if arch == "gemma3" else {}))
     draft = random_drafter(target, tmp_path / "d", layers=2, block=6)
     params = SamplingParams(max_tokens=40, ignore_eos=True)
@@ -168,8 +250,9 @@ def test_static_steps_equal_dynamic_steps(tiny_gguf, tmp_path, arch, ddtree):
     assert static.spec.static is not None
     assert static.generate(PROMPTS, params) == plain
     assert static.spec.static.graphs, "the static path did not run"
-    # greedy: a chain's steps are the one-launch step; a tree's the three launches
-    assert {k[0] for k in static.spec.static.graphs} == ({"draft", "verify", "extend"} if ddtree else {"chain"})
+    # greedy: every step is the one-launch step (a chain's, or a tree's built on the device)
+    kinds = {"tree"} if one_launch_tree else {"draft", "verify", "extend"} if ddtree else {"chain"}
+    assert {k[0] for k in static.spec.static.graphs} == kinds
     assert static.kv.pool.num_used == 0 and static.spec.kv.pool.num_used == 0
     sampled = SamplingParams(max_tokens=30, temperature=0.9, seed=3, ignore_eos=True)
     dynamic = engine(target, draft=str(draft), ddtree=ddtree, ddtree_budget=9, spec_static=False)

@@ -81,15 +81,18 @@ def _run(args: argparse.Namespace, budgets: list[int], batches: list[int], taus:
     configs = [("chain", chain, True)]
     if engine.device.type == "cuda":  # the same chain in three launches, as a sampled request's steps run
         configs.append(("chain, 3 launches", chain, False))
-    configs += [(f"ddtree b={b}", SpecDecoder(drafter, loaded.model, engine.kv, ddtree=True, budget=b,
-                                              dtype=loaded.dtype), True) for b in budgets]
+    for b in budgets:
+        tree = SpecDecoder(drafter, loaded.model, engine.kv, ddtree=True, budget=b, dtype=loaded.dtype)
+        configs.append((f"ddtree b={b}", tree, True))
+        if engine.device.type == "cuda":  # the tree built on the host between three launches (sampled requests)
+            configs.append((f"ddtree b={b}, 3 launches", tree, False))
     progress = Progress("bench spec-cost", total=len(configs), unit="configs")
     rows: list[list[Any]] = []
     results: list[dict[str, Any]] = []
     for label, spec, one_launch in configs:
         engine.set_speculation(spec)
         if spec.static is not None:
-            spec.static.one_launch = one_launch
+            spec.static.set_one_launch(one_launch)
         for b, (plain, spec_s) in sorted(time_steps(engine, tuple(batches), args.steps).items()):
             r, n = spec_s / plain, spec.rows_per_step
             projected = [t / r if t <= n else None for t in taus]  # a step commits at most the rows it verifies

@@ -25,6 +25,7 @@ bookkeeping graph. Its batch buckets stop at the state slots.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -33,12 +34,19 @@ import torch
 
 from lucebox.engine.kernels import graph_mode
 from lucebox.engine.kernels.attention import AttentionMetadata, AttnGroup, pad_tables, tree_bits
+from lucebox.engine.kernels.triton_tree import draft_trees
 from lucebox.engine.runtime.cuda_graphs import MIN_CTX, all_buckets, batch_buckets, pick_buckets
 from lucebox.engine.runtime.recurrent_state import StateRows, conv_windows
 from lucebox.engine.runtime.sequence import Chunk
 from lucebox.engine.spec.dflash import SpecDecoder, build_tree, walk
 
 log = logging.getLogger(__name__)
+
+# A greedy DDTree step in one launch (`_tree_fn`, the tree built by kernels/triton_tree.py's kernel on CUDA). H100,
+# SmolLM2, `bench spec-cost --budgets 22`: r 1.96 / 2.05 / 2.49 at batch 1 / 4 / 16 against three launches' 1.98 /
+# 2.18 / 2.99, so on by default (its torch-only first form cost more at batch 1, r 2.34). LUCEBOX_TREE_ONE_LAUNCH=0
+# keeps trees in three launches; `bench spec-cost` times both.
+TREE_ONE_LAUNCH = os.environ.get("LUCEBOX_TREE_ONE_LAUNCH", "1") == "1"
 
 
 class _Graphed:
@@ -90,8 +98,11 @@ class StaticSpec:
         self.B = spec.block
         self.N = spec.rows_per_step
         self.K = 8 if spec.ddtree and spec.budget > spec.block - 1 else 1
+        # A greedy step's one-launch graph: a chain (`_chain_fn`; a DDTree whose budget fits the block is one), or
+        # a tree (`_tree_fn`, dense targets: a hybrid's tree states are laid out by the host) or none.
+        self.fused = "chain" if self.K == 1 else ("tree" if self.states is None and TREE_ONE_LAUNCH else None)
         self.graphs: dict[tuple[str, int, int], _Graphed] = {}
-        self.one_launch = True  # greedy chains in one launch (`_chain_fn`); off: three, as sampled ones (benchmarks)
+        self.one_launch = True  # greedy steps in one launch (`fused`); off: three, as sampled ones (benchmarks)
         self.ready = False  # set by the engine's warm-up; a capture after it is counted
         self.captures_after_ready = 0
         self._outs: dict[tuple[str, int], Any] = {}  # (kind, batch) -> the outputs its graphs share
@@ -125,11 +136,18 @@ class StaticSpec:
     def buckets_for(self, n: int, ctx: int) -> tuple[int, int] | None:
         return pick_buckets(self.batches, self.max_ctx, n, ctx)
 
+    def set_one_launch(self, on: bool) -> None:
+        """Greedy steps in one launch, or in three as sampled ones run (benchmarks time both); on, a dense
+        target's DDTree takes the one-launch tree step whatever TREE_ONE_LAUNCH says."""
+        self.one_launch = on
+        if on and self.K > 1 and self.states is None:
+            self.fused = "tree"
+
     @property
     def kinds(self) -> tuple[str, ...]:
-        """The graphs of a bucket, in capture order (extend reads verify's outputs); a chain drafter also has
-        the one-launch greedy step."""
-        return ("draft", "verify", "extend") + (() if self.spec.ddtree else ("chain",))
+        """The graphs of a bucket, in capture order (extend reads verify's outputs), then the one-launch greedy
+        step's."""
+        return ("draft", "verify", "extend") + ((self.fused,) if self.fused else ())
 
     def graph_keys(self) -> list[tuple[str, int, int]]:
         """Every graph a step can reach, largest bucket first (the start-up capture order)."""
@@ -137,7 +155,12 @@ class StaticSpec:
 
     @torch.inference_mode()
     def capture_all(self, advance: Callable[[int], None] | None = None) -> int:
-        """Capture every graph not captured yet (start-up); returns how many were captured."""
+        """Capture every graph not captured yet (start-up); returns how many were captured. The rehearsals run on
+        zeroed inputs (scratch block 0, position 0): after serving, the last step's would rewrite its slots,
+        maybe cached blocks, with its stale draft."""
+        if any(key not in self.graphs for key in self.graph_keys()):
+            for packed in (self.draft_in, self.verify_in, self.extend_in):
+                packed.dev.zero_()
         n = 0
         for kind, b, c in self.graph_keys():
             if (kind, b, c) not in self.graphs:
@@ -263,6 +286,36 @@ class StaticSpec:
 
         return fn
 
+    def _tree_fn(self, b: int, c: int) -> Callable[[], Any]:
+        """A greedy DDTree step in one launch (a dense target): the tree built on the device
+        (kernels/triton_tree.py), verified, walked (each node's token against its parent's argmax) and
+        compacted. Returns [b, n + 1] as `_chain_fn` does: the target's argmax along the accepted path, then
+        its length."""
+        draft, n, page = self._draft_fn(b, c), self.N, self.page
+        rows = self.kpos[:n]
+
+        @torch.inference_mode()
+        def fn() -> Any:
+            d = self.draft_in
+            lp, tok = draft()
+            nodes, parent, depth, bits = draft_trees(lp, tok, n)
+            ids = torch.cat([d.view("ids", b)[:, :1], nodes], 1)
+            start = d.view("start", b)
+            spos = start + rows[None, :]  # row r's K/V goes to position start + r's slot, then compaction
+            slots = d.view("tables", b).gather(1, spos // page) * page + spos % page
+            _, best, feats = self._verify(b, c, ids, start + depth, slots, bits.flatten())
+            best = best.view(b, n)
+            wrong = ((ids != best.gather(1, parent)) & (rows > 0)).long() << rows  # a node the target would not pick
+            on_path = (bits & wrong.sum(1, keepdim=True)) == 0  # siblings differ: the accepted nodes form one path
+            k = on_path.sum(1, keepdim=True)
+            path = torch.where(on_path, rows, n + rows).sort(1).values  # parents precede children: depth order
+            path = torch.where(rows < k, path, path.gather(1, k - 1))  # the last accepted row repeated
+            src = torch.where(rows < k, slots.gather(1, path), slots)
+            self._extend(b, feats, path, spos, slots, (src.flatten(), slots.flatten()), None, None)
+            return torch.cat([best.gather(1, path), k], 1)
+
+        return fn
+
     def _graph(self, kind: str, b: int, c: int) -> _Graphed:
         key = (kind, b, c)
         g = self.graphs.get(key)
@@ -271,11 +324,12 @@ class StaticSpec:
                 self.captures_after_ready += 1
                 log.warning("spec graph %s batch=%d ctx=%d captured while serving (the warm-up missed it)", *key)
             make = {"draft": self._draft_fn, "verify": self._verify_fn, "extend": self._extend_fn,
-                    "chain": self._chain_fn}[kind]
+                    "chain": self._chain_fn, "tree": self._tree_fn}[kind]
             # The eager runs before a capture execute the body: the bookkeeping's (its moves of KV rows are not
             # idempotent, and a hybrid's state slots are written) then points at scratch slot 0 and block 0, and
             # its inputs are put back after.
-            inputs = {"extend": [self.extend_in.dev], "chain": [self.draft_in.dev, self.verify_in.dev]}.get(kind, [])
+            fused = [self.draft_in.dev, self.verify_in.dev]
+            inputs = {"extend": [self.extend_in.dev], "chain": fused, "tree": fused}.get(kind, [])
             inputs = inputs if self.device.type == "cuda" else []
             held = [t.clone() for t in inputs]
             for t in inputs:
@@ -313,8 +367,8 @@ class StaticSpec:
         ids[:g, 0] = [ch.seq.token_ids[ch.start] for ch in chunks]
         d.host("start")[:b, 0] = _pad([ch.start for ch in chunks], b)
         d.host("tables")[:b] = pad_tables([ch.seq.block_table for ch in chunks], self.max_ctx // self.page, b)
-        if argmax and not spec.ddtree and self.one_launch:
-            return self._chain_step(chunks, b, c)
+        if argmax and self.fused and self.one_launch:
+            return self._one_launch_step(chunks, b, c)
         d.send(b)
         out = self._graph("draft", b, c)()
         verify: list[Chunk] = []
@@ -377,8 +431,8 @@ class StaticSpec:
             ch.seq.draft_len = ch.start + n_path
         return committed
 
-    def _chain_step(self, chunks: list[Chunk], b: int, c: int) -> list[list[int]]:
-        """A greedy chain step (draft inputs filled): one replay, one read-back."""
+    def _one_launch_step(self, chunks: list[Chunk], b: int, c: int) -> list[list[int]]:
+        """A greedy chain or tree step (draft inputs filled): one replay, one read-back."""
         g, n = len(chunks), self.N
         self.draft_in.send(b)
         if self.states is not None:
@@ -386,7 +440,7 @@ class StaticSpec:
             v.np[:b] = 0
             self._fill_states([Chunk(ch.seq, ch.start, n) for ch in chunks], b)
             v.send(b)
-        out = self._graph("chain", b, c)()[:g].tolist()  # the step's one device->host read: [argmax..., n_path]
+        out = self._graph(self.fused, b, c)()[:g].tolist()  # the step's one device->host read: [tokens..., n_path]
         self.spec.stats.drafted += g * (n - 1)
         committed = []
         for ch, row in zip(chunks, out):

@@ -1,0 +1,175 @@
+"""DDTree draft trees built on the device: `build_tree` for a batch, with no host sync (the one-launch step).
+
+`draft_trees(lp, tok, n)` takes the drafter's top-K log-probs (descending) and ids at each of D depths,
+[b, D, K], and returns each sequence's tree of n rows (the root, then n - 1 nodes, parents first): the
+nodes' tokens [b, n - 1], every row's parent row and depth [b, n] (the root's: 0) and its ancestor-or-self
+bits [b, n] (bit a of row r: row a is r or an ancestor; the attention's `tree_bits`).
+
+- On CUDA one Triton program per sequence runs `build_tree` itself: the top-1 chain, then best-first growth
+  by cumulative log-probability, with the heap as a frontier in registers (a pop is an argmax, ties to the
+  first pushed, as heapq's counter does). Same nodes, same order, as the host's.
+- Elsewhere (the CPU, and the reference the kernel is tested against) a batched torch beam: a node of the
+  tree is among the E + 1 best of its depth (E = n - 1 - D nodes beyond the chain), so a beam of E + 1 per
+  depth holds every node; they are ranked by cumulative log-prob plus 1e9 on the chain, less depth x 1e-6
+  (strictly falling along every path, so the chosen set is closed under parents on ties too). Same nodes
+  as build_tree's (bar ties), rows in depth order.
+
+Tests: tests/test_spec.py (the torch path against build_tree; the kernel on CUDA, or the CPU under
+TRITON_INTERPRET=1, against the torch path).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the torch path
+    triton = None
+
+# Tests only: run the kernel on CPU tensors too (requires TRITON_INTERPRET=1, Triton's interpreter).
+ON_CPU = False
+
+
+def draft_trees(lp: torch.Tensor, tok: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
+    """(nodes [b, n - 1], parent [b, n], depth [b, n], bits [b, n]) int64; n <= 64, n - 1 >= D."""
+    on_device = lp.is_cuda or (ON_CPU and lp.device.type == "cpu")
+    if triton is not None and on_device:
+        return _kernel_trees(lp, tok, n)
+    return beam_trees(lp, tok, n)
+
+
+def beam_trees(lp: torch.Tensor, tok: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
+    """The torch path (see the module docstring): a few kernels a depth, no host sync."""
+    b, D, K = lp.shape
+    M = n - D
+    dev = lp.device
+    lp = lp.double().clamp(min=-1e4)
+    leave = torch.zeros(M, K, dtype=lp.dtype, device=dev)
+    leave[0, 1:] = -1e9  # the chain node's children of rank > 0 leave the chain
+    steps = lp[:, 1:, None, :] + leave  # [b, D - 1, M, K]
+    pad = max(0, M - K)
+    value = torch.nn.functional.pad(lp[:, 0, :M], (0, pad), value=float("-inf"))  # depth 1: the root's children
+    value[:, 0] += 1e9
+    values, picks = [value], []
+    for depth in range(D - 1):
+        value, pick = (value[:, :, None] + steps[:, depth]).flatten(1).topk(M, dim=1)
+        values.append(value)
+        picks.append(pick)
+    first = torch.nn.functional.pad(tok[:, 0, :M], (0, pad))
+    if picks:
+        pick = torch.stack(picks, 1)  # [b, D - 1, M]: parent beam index * K + rank
+        tokens = torch.cat([first, tok[:, 1:].gather(2, pick % K).flatten(1)], 1)  # [b, D * M]
+        offsets = torch.arange(D - 1, device=dev)[:, None] * M
+        parents = torch.cat([torch.full_like(first, -1), (pick // K + offsets).flatten(1)], 1)
+    else:
+        tokens, parents = first, torch.full_like(first, -1)
+    depth_of = torch.arange(D, device=dev).repeat_interleave(M)  # the beam nodes, depth-major
+    sel = (torch.cat(values, 1) - depth_of * 1e-6).topk(n - 1, dim=1).indices.sort(1).values  # parents first
+    rows = torch.arange(n, device=dev)
+    row_of = torch.zeros(b, D * M, dtype=torch.long, device=dev).scatter_(1, sel, rows[1:].expand(b, -1))
+    par = parents.gather(1, sel)
+    par = torch.where(par < 0, 0, row_of.gather(1, par.clamp(min=0)))
+    parent = torch.cat([torch.zeros_like(par[:, :1]), par], 1)
+    depth = torch.cat([torch.zeros_like(sel[:, :1]), depth_of[sel] + 1], 1)
+    step = torch.zeros(b, n, n, device=dev).scatter_(2, parent[:, :, None], 1.0)
+    step[:, 0] = 0
+    reach = step + torch.eye(n, device=dev)
+    for _ in range(max(1, (D - 1).bit_length())):  # paths of up to D steps
+        reach = (reach @ reach).clamp(max=1.0)
+    bits = (reach.long() << rows).sum(-1)
+    return tokens.gather(1, sel), parent, depth, bits
+
+
+def _kernel_trees(lp: torch.Tensor, tok: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
+    b, D, K = lp.shape
+    assert n <= 64 and n - 1 >= D, "a tree of at most 64 rows that holds the chain"
+    lp, tok = lp.double().contiguous(), tok.contiguous()  # float64: build_tree's sums, bit for bit
+    nodes = torch.empty(b, n - 1, dtype=torch.long, device=lp.device)
+    parent, depth, bits = (torch.empty(b, n, dtype=torch.long, device=lp.device) for _ in range(3))
+    rows = triton.next_power_of_2(n)
+    _tree_kernel[(b,)](lp, tok, nodes, parent, depth, bits, D=D, K=K, N=n, ROWS=rows,
+                       FRONT=triton.next_power_of_2(2 * n), num_warps=1)
+    return nodes, parent, depth, bits
+
+
+if triton is not None:
+
+    @triton.jit
+    def _pick(values, idx, at):
+        """values[at] (a scalar) of a register vector."""
+        return tl.sum(tl.where(idx == at, values, 0), 0)
+
+    @triton.jit
+    def _tree_kernel(LP, TOK, NODES, PARENT, DEPTH, BITS, D: tl.constexpr, K: tl.constexpr, N: tl.constexpr,
+                     ROWS: tl.constexpr, FRONT: tl.constexpr):
+        # One sequence: rows (root = 0) and a frontier of candidates (depth, rank, parent row, value); a popped
+        # or empty slot holds -inf, so an argmax (ties: the lowest slot, the first pushed) is heapq's pop.
+        s = tl.program_id(0)
+        lp_row = LP + s * D * K
+        tok_row = TOK + s * D * K
+        r_idx = tl.arange(0, ROWS)
+        f_idx = tl.arange(0, FRONT)
+        cum = tl.zeros([ROWS], tl.float64)
+        par = tl.zeros([ROWS], tl.int64)
+        dep = tl.zeros([ROWS], tl.int64)
+        tok = tl.zeros([ROWS], tl.int64)
+        bits = tl.where(r_idx == 0, 1, 0).to(tl.int64)
+        f_val = tl.full([FRONT], float("-inf"), tl.float64)
+        f_dep = tl.zeros([FRONT], tl.int32)
+        f_rank = tl.zeros([FRONT], tl.int32)
+        f_par = tl.zeros([FRONT], tl.int32)
+        pushed = 0
+        # the top-1 chain: row d + 1 at depth d + 1, under row d; its rank-1 siblings go to the frontier
+        for d in tl.static_range(D):
+            row = d + 1
+            c = _pick(cum, r_idx, d) + tl.maximum(tl.load(lp_row + d * K), -1e30)
+            b_row = _pick(bits, r_idx, d) | (tl.full([], 1, tl.int64) << row)
+            cum = tl.where(r_idx == row, c, cum)
+            par = tl.where(r_idx == row, d, par)
+            dep = tl.where(r_idx == row, d + 1, dep)
+            tok = tl.where(r_idx == row, tl.load(tok_row + d * K), tok)
+            bits = tl.where(r_idx == row, b_row, bits)
+            if K > 1:
+                v = _pick(cum, r_idx, d) + tl.maximum(tl.load(lp_row + d * K + 1), -1e30)
+                f_val = tl.where(f_idx == pushed, v, f_val)
+                f_dep = tl.where(f_idx == pushed, d, f_dep)
+                f_rank = tl.where(f_idx == pushed, 1, f_rank)
+                f_par = tl.where(f_idx == pushed, d, f_par)
+                pushed += 1
+        # best-first: pop the best candidate, push its next sibling and its first child
+        for row in tl.static_range(D + 1, N):
+            j = tl.argmax(f_val, 0)
+            v = _pick(f_val, f_idx, j)
+            d = _pick(f_dep, f_idx, j)
+            rank = _pick(f_rank, f_idx, j)
+            p = _pick(f_par, f_idx, j)
+            f_val = tl.where(f_idx == j, float("-inf"), f_val)
+            b_row = _pick(bits, r_idx, p) | (tl.full([], 1, tl.int64) << row)
+            cum = tl.where(r_idx == row, v, cum)
+            par = tl.where(r_idx == row, p, par)
+            dep = tl.where(r_idx == row, d + 1, dep)
+            tok = tl.where(r_idx == row, tl.load(tok_row + d * K + rank), tok)
+            bits = tl.where(r_idx == row, b_row, bits)
+            base = _pick(cum, r_idx, p)  # the parent's cumulative log-prob
+            sib = rank + 1 < K
+            v_sib = base + tl.maximum(tl.load(lp_row + d * K + rank + 1, mask=sib, other=0.0), -1e30)
+            f_val = tl.where((f_idx == pushed) & sib, v_sib, f_val)
+            f_dep = tl.where(f_idx == pushed, d, f_dep)
+            f_rank = tl.where(f_idx == pushed, rank + 1, f_rank)
+            f_par = tl.where(f_idx == pushed, p, f_par)
+            pushed += 1
+            kid = d + 1 < D
+            v_kid = v + tl.maximum(tl.load(lp_row + (d + 1) * K, mask=kid, other=0.0), -1e30)
+            f_val = tl.where((f_idx == pushed) & kid, v_kid, f_val)
+            f_dep = tl.where(f_idx == pushed, d + 1, f_dep)
+            f_rank = tl.where(f_idx == pushed, 0, f_rank)
+            f_par = tl.where(f_idx == pushed, row, f_par)
+            pushed += 1
+        out = s * N + r_idx
+        ok = r_idx < N
+        tl.store(PARENT + out, par, mask=ok)
+        tl.store(DEPTH + out, dep, mask=ok)
+        tl.store(BITS + out, bits, mask=ok)
+        tl.store(NODES + s * (N - 1) + r_idx - 1, tok, mask=ok & (r_idx > 0))
