@@ -406,6 +406,38 @@ def test_a_second_warm_up_after_serving_changes_nothing(smollm2_path):
 
 
 @needs_cuda
+def test_graphs_recaptured_after_serving_leave_cached_blocks_alone(smollm2_path, tmp_path):
+    """A second warm-up that recaptures the decode graphs (a new feature capture, as a hybrid's drafter context
+    asks for) rehearses on neutral inputs: the last real step's slots lie in blocks the
+    GPU prefix tier keeps, and its stale tokens would overwrite their K/V (and the drafter context's)."""
+    from lucebox.cache.manager import CacheConfig
+    from lucebox.engine.runtime.sampler import SamplingParams
+    from tests.test_spec import random_drafter
+
+    draft = random_drafter(smollm2_path, tmp_path / "draft", layers=1, block=8)
+    engine = LLMEngine.from_path(smollm2_path, EngineConfig(device="cuda", max_num_seqs=2, draft=str(draft),
+                                                            spec_adaptive=False), quiet=True)  # every step drafts
+    engine.enable_prefix_cache(CacheConfig(gpu=True, prefix_slots=0, exact_slots=0, min_tokens=16))
+    engine.warm_up(progress=False)
+    page = engine.kv.block_size
+    prompt = engine.tokenizer.encode("The river runs north past the mill. " * 12)
+    new = 3 * page - (len(prompt) - 1) % page  # positions 0 .. len - 2 fill whole blocks: the last step's are indexed
+    engine.generate([prompt], SamplingParams(max_tokens=new, ignore_eos=True))
+    blocks = sorted(engine.cache.index.blocks())
+    assert len(blocks) >= len(prompt) // page, f"the finished sequence's blocks are indexed: {blocks}"
+    slots = torch.tensor([b * page + i for b in blocks for i in range(page)], device="cuda")
+    held = [kv.data[:, :, slots].clone() for kv in (engine.kv, engine.spec.kv)]
+    engine.runner.graphs.keep_layers(engine.runner.graphs.capture + (0,))  # a new feature capture: all recaptured
+    engine.warm_up(progress=False)
+    torch.cuda.synchronize()
+    assert sorted(engine.cache.index.blocks()) == blocks
+    for name, kv, before in zip(("target", "drafter"), (engine.kv, engine.spec.kv), held):
+        same = (kv.data[:, :, slots] == before).flatten(3).all(-1).all(0).all(0).view(len(blocks), page)
+        changed = [(b, (~row).nonzero().flatten().tolist()) for b, row in zip(blocks, same) if not row.all()]
+        assert not changed, f"{name} K/V rewritten in cached blocks (block, offsets): {changed}"
+
+
+@needs_cuda
 def test_gpu_memory_cap_sizes_the_kv_cache_and_holds(smollm2_path):
     from lucebox.engine.runtime.sampler import SamplingParams
 

@@ -199,7 +199,11 @@ class CudaGraphDecoder:
         return all_buckets(self.batches, self.max_ctx)
 
     def capture_all(self, advance: Callable[[int], None] | None = None) -> int:
-        """Capture every bucket not captured yet (start-up); returns how many were captured."""
+        """Capture every bucket not captured yet (start-up); returns how many were captured. A second warm-up
+        (after `keep_layers`, or `bench spec`'s next configuration) rehearses on neutral inputs: the last real
+        step's slots may be cached blocks (the GPU prefix tier) that its stale tokens would overwrite."""
+        if any(key not in self.graphs for key in self.buckets()):
+            self._neutral_inputs()
         n = 0
         for key in self.buckets():
             if key not in self.graphs:
@@ -208,6 +212,12 @@ class CudaGraphDecoder:
             if advance is not None:
                 advance(1)
         return n
+
+    def _neutral_inputs(self) -> None:
+        """Inputs that touch nothing: token 0 at position 0 into scratch slot 0 (and state slot 0), no carry,
+        scratch block 0 tables. The staging buffers keep their rows: a step's copy rewrites its bucket's."""
+        self.dev.zero_()
+        self.dev[self.carry_at: self.head].fill_(-1)
 
     def run(self, chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(logits [n, vocab], argmax tokens [n]) for a decode-only step, or None if no bucket fits.
@@ -261,6 +271,8 @@ class CudaGraphDecoder:
         if capture != self.capture:
             self.capture, self.out_features = capture, []
             self.graphs.clear()
+            self.pool = torch.cuda.graph_pool_handle()  # a fresh pool: recapturing into the freed graphs' one
+            # trips the caching allocator (`use_count > 0` INTERNAL ASSERT, torch 2.11)
 
     def features(self, n: int) -> list[torch.Tensor]:
         """The last replay's `capture` layer outputs of its first `n` rows ([n, hidden] each)."""

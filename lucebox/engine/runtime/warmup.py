@@ -57,14 +57,16 @@ class KernelCompiles:
             previous = runtime.jit_post_compile_hook
 
             def hook(*args: Any, **kwargs: Any) -> Any:
-                self._compiled(kwargs.get("fn"))
+                self._compiled(kwargs.get("fn"), kwargs.get("repr"))
                 return previous(*args, **kwargs) if previous is not None else None
 
             runtime.jit_post_compile_hook = hook
             self.installed = True
             return True
 
-    def _compiled(self, fn: Any) -> None:
+    def _compiled(self, fn: Any, signature: Any = None) -> None:
+        """`signature`: Triton's repr of the specialisation (argument types, divisibility, constants), logged
+        with a late compile so the log says which shape the warm-up missed."""
         name = str(getattr(fn, "name", None) or fn)
         self.count += 1
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
@@ -72,7 +74,8 @@ class KernelCompiles:
             log.warning("Triton kernel %s compiled inside a CUDA graph capture (graph_mode.rehearsal missed it)", name)
         if self.armed:
             self.late.append(name)
-            log.warning("Triton kernel %s compiled while serving (the warm-up missed this shape)", name)
+            log.warning("Triton kernel %s compiled while serving (the warm-up missed this shape): %s", name,
+                        signature or "?")
 
 
 COMPILES = KernelCompiles()
