@@ -12,7 +12,9 @@ or the top-K for the tree → builds the verification rows → replay → reads
 the target's choices → walks → fills the accepted rows → replay. A greedy
 chain step (every sequence choosing by argmax) is one launch instead
 (`_chain_fn`): the verification rows, the accepted length and the bookkeeping
-are worked out on the device, and the host reads the result once.
+are worked out on the device, and the host reads the result once. So is a
+dense target's greedy DDTree step (`_tree_fn`): the tree is built by
+kernels/triton_tree.py and walked with its ancestor bits.
 
 A hybrid target (models/qwen35.py) verifies from each sequence's state slot,
 its rows' conv windows and parent states filled in buffers like the rest (the
