@@ -408,8 +408,8 @@ def test_a_second_warm_up_after_serving_changes_nothing(smollm2_path):
 @needs_cuda
 def test_graphs_recaptured_after_serving_leave_cached_blocks_alone(smollm2_path, tmp_path):
     """A second warm-up that recaptures the decode graphs (a new feature capture, as a hybrid's drafter context
-    asks for) rehearses on neutral inputs: the last real step's slots lie in blocks the
-    GPU prefix tier keeps, and its stale tokens would overwrite their K/V (and the drafter context's)."""
+    asks for) rehearses on neutral inputs: the last real step's slots lie in blocks the GPU prefix tier keeps,
+    and its stale tokens would overwrite their K/V (and the drafter context's)."""
     from lucebox.cache.manager import CacheConfig
     from lucebox.engine.runtime.sampler import SamplingParams
     from tests.test_spec import random_drafter

@@ -5,17 +5,12 @@
 nodes' tokens [b, n - 1], every row's parent row and depth [b, n] (the root's: 0) and its ancestor-or-self
 bits [b, n] (bit a of row r: row a is r or an ancestor; the attention's `tree_bits`).
 
-- On CUDA one Triton program per sequence runs `build_tree` itself: the top-1 chain, then best-first growth
-  by cumulative log-probability, with the heap as a frontier in registers (a pop is an argmax, ties to the
-  first pushed, as heapq's counter does). Same nodes, same order, as the host's.
-- Elsewhere (the CPU, and the reference the kernel is tested against) a batched torch beam: a node of the
-  tree is among the E + 1 best of its depth (E = n - 1 - D nodes beyond the chain), so a beam of E + 1 per
-  depth holds every node; they are ranked by cumulative log-prob plus 1e9 on the chain, less depth x 1e-6
-  (strictly falling along every path, so the chosen set is closed under parents on ties too). Same nodes
-  as build_tree's (bar ties), rows in depth order.
+One Triton program per sequence runs spec/dflash.py's `build_tree` itself: the top-1 chain, then best-first
+growth by cumulative log-probability (float64, as the host sums), with the heap as a frontier in registers (a
+pop is an argmax, ties to the first pushed, as heapq's counter does). Same nodes, same order, as the host's.
+On the CPU the one-launch step calls `build_tree` itself (spec/static.py): its eager step may read the host.
 
-Tests: tests/test_spec.py (the torch path against build_tree; the kernel on CUDA, or the CPU under
-TRITON_INTERPRET=1, against the torch path).
+Tests: tests/test_spec.py (the kernel against build_tree, on CUDA or the CPU under TRITON_INTERPRET=1).
 """
 
 from __future__ import annotations
@@ -25,61 +20,21 @@ import torch
 try:
     import triton
     import triton.language as tl
-except ImportError:  # CPU-only installs: the torch path
+except ImportError:  # CPU-only installs: build_tree on the host
     triton = None
 
 # Tests only: run the kernel on CPU tensors too (requires TRITON_INTERPRET=1, Triton's interpreter).
 ON_CPU = False
 
 
+def available(device: torch.device) -> bool:
+    return triton is not None and (device.type == "cuda" or (ON_CPU and device.type == "cpu"))
+
+
 def draft_trees(lp: torch.Tensor, tok: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
     """(nodes [b, n - 1], parent [b, n], depth [b, n], bits [b, n]) int64; n <= 64, n - 1 >= D."""
-    on_device = lp.is_cuda or (ON_CPU and lp.device.type == "cpu")
-    if triton is not None and on_device:
-        return _kernel_trees(lp, tok, n)
-    return beam_trees(lp, tok, n)
-
-
-def beam_trees(lp: torch.Tensor, tok: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
-    """The torch path (see the module docstring): a few kernels a depth, no host sync."""
-    b, D, K = lp.shape
-    M = n - D
-    dev = lp.device
-    lp = lp.double().clamp(min=-1e4)
-    leave = torch.zeros(M, K, dtype=lp.dtype, device=dev)
-    leave[0, 1:] = -1e9  # the chain node's children of rank > 0 leave the chain
-    steps = lp[:, 1:, None, :] + leave  # [b, D - 1, M, K]
-    pad = max(0, M - K)
-    value = torch.nn.functional.pad(lp[:, 0, :M], (0, pad), value=float("-inf"))  # depth 1: the root's children
-    value[:, 0] += 1e9
-    values, picks = [value], []
-    for depth in range(D - 1):
-        value, pick = (value[:, :, None] + steps[:, depth]).flatten(1).topk(M, dim=1)
-        values.append(value)
-        picks.append(pick)
-    first = torch.nn.functional.pad(tok[:, 0, :M], (0, pad))
-    if picks:
-        pick = torch.stack(picks, 1)  # [b, D - 1, M]: parent beam index * K + rank
-        tokens = torch.cat([first, tok[:, 1:].gather(2, pick % K).flatten(1)], 1)  # [b, D * M]
-        offsets = torch.arange(D - 1, device=dev)[:, None] * M
-        parents = torch.cat([torch.full_like(first, -1), (pick // K + offsets).flatten(1)], 1)
-    else:
-        tokens, parents = first, torch.full_like(first, -1)
-    depth_of = torch.arange(D, device=dev).repeat_interleave(M)  # the beam nodes, depth-major
-    sel = (torch.cat(values, 1) - depth_of * 1e-6).topk(n - 1, dim=1).indices.sort(1).values  # parents first
-    rows = torch.arange(n, device=dev)
-    row_of = torch.zeros(b, D * M, dtype=torch.long, device=dev).scatter_(1, sel, rows[1:].expand(b, -1))
-    par = parents.gather(1, sel)
-    par = torch.where(par < 0, 0, row_of.gather(1, par.clamp(min=0)))
-    parent = torch.cat([torch.zeros_like(par[:, :1]), par], 1)
-    depth = torch.cat([torch.zeros_like(sel[:, :1]), depth_of[sel] + 1], 1)
-    step = torch.zeros(b, n, n, device=dev).scatter_(2, parent[:, :, None], 1.0)
-    step[:, 0] = 0
-    reach = step + torch.eye(n, device=dev)
-    for _ in range(max(1, (D - 1).bit_length())):  # paths of up to D steps
-        reach = (reach @ reach).clamp(max=1.0)
-    bits = (reach.long() << rows).sum(-1)
-    return tokens.gather(1, sel), parent, depth, bits
+    assert available(lp.device), "the tree kernel runs on CUDA (or the CPU under TRITON_INTERPRET=1)"
+    return _kernel_trees(lp, tok, n)
 
 
 def _kernel_trees(lp: torch.Tensor, tok: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:

@@ -34,9 +34,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from lucebox.engine.kernels import graph_mode
+from lucebox.engine.kernels import graph_mode, triton_tree
 from lucebox.engine.kernels.attention import AttentionMetadata, AttnGroup, pad_tables, tree_bits
-from lucebox.engine.kernels.triton_tree import draft_trees
 from lucebox.engine.runtime.cuda_graphs import MIN_CTX, all_buckets, batch_buckets, pick_buckets
 from lucebox.engine.runtime.recurrent_state import StateRows, conv_windows
 from lucebox.engine.runtime.sequence import Chunk
@@ -295,12 +294,13 @@ class StaticSpec:
         its length."""
         draft, n, page = self._draft_fn(b, c), self.N, self.page
         rows = self.kpos[:n]
+        trees = triton_tree.draft_trees if triton_tree.available(self.device) else _host_trees
 
         @torch.inference_mode()
         def fn() -> Any:
             d = self.draft_in
             lp, tok = draft()
-            nodes, parent, depth, bits = draft_trees(lp, tok, n)
+            nodes, parent, depth, bits = trees(lp, tok, n)
             ids = torch.cat([d.view("ids", b)[:, :1], nodes], 1)
             start = d.view("start", b)
             spos = start + rows[None, :]  # row r's K/V goes to position start + r's slot, then compaction
@@ -465,6 +465,23 @@ class StaticSpec:
             if ch.parents is not None:
                 v.host("window")[i] = np.asarray(conv_windows(ch.parents, self.kernel)).ravel()
                 v.host("parents")[i] = np.asarray(ch.parents) + 1
+
+
+def _host_trees(lp: torch.Tensor, tok: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
+    """`triton_tree.draft_trees` from `build_tree` on the host, for the CPU's eager one-launch step."""
+    nodes, parents, depths, bits = [], [], [], []
+    for top_lp, top_ids in zip(lp.tolist(), tok.tolist()):
+        tokens, par = build_tree(top_lp, top_ids, n - 1)
+        depth = [0]
+        for p in par:
+            depth.append(depth[p] + 1)
+        nodes.append(tokens)
+        parents.append([0] + par)
+        depths.append(depth)
+        bits.append(tree_bits([-1] + par))
+    as_long = {"dtype": torch.long, "device": lp.device}
+    return (torch.tensor(nodes, **as_long), torch.tensor(parents, **as_long), torch.tensor(depths, **as_long),
+            torch.from_numpy(np.stack(bits)).to(lp.device))
 
 
 def _copy_into(dst: Any, src: Any) -> None:
