@@ -53,10 +53,11 @@ def run(eng: LLMEngine, seqs, each_step=None) -> None:
             each_step()
 
 
-def test_useless_drafter_stops_after_the_minimum_and_stays_lossless(files, plain):
-    """A random drafter (tau ~ 1 < r = 1.5): min_steps verifications, then plain steps with no drafter forward;
-    a failed probe doubles the wait."""
-    eng = engine(files)
+@pytest.mark.parametrize("ahead", [False, True], ids=["in-step", "ahead"])
+def test_useless_drafter_stops_after_the_minimum_and_stays_lossless(files, plain, ahead):
+    """A random drafter (tau ~ 1 < r = 1.5): min_steps verifications, then plain steps with no drafter forward
+    (launched a step ahead where the engine does that: runtime/ahead.py); a failed probe doubles the wait."""
+    eng = engine(files, ahead=ahead)
     eng.adaptive.probe_every = 8
     calls = drafter_calls(eng)
     seq = eng.add(PROMPTS[0], GREEDY)
@@ -68,12 +69,14 @@ def test_useless_drafter_stops_after_the_minimum_and_stays_lossless(files, plain
     assert seq.spec_state.interval >= 16  # the failed probe doubled 8
     assert a.stats.plain_tokens > 20 and a.stats.plain_now == 0
     assert eng.kv.pool.num_used == 0
+    assert (eng.ahead is not None and eng.ahead.steps > 20) == ahead  # the plain stretches ran ahead
 
 
-def test_probe_returns_to_speculation_when_acceptance_pays(files, plain):
+@pytest.mark.parametrize("ahead", [False, True], ids=["in-step", "ahead"])
+def test_probe_returns_to_speculation_when_acceptance_pays(files, plain, ahead):
     """Once speculation pays again (here: the cost ratio made low through the tracker's rule), a probe
     re-runs the plain stretch for the drafter context (one longer chunk) and the sequence drafts again."""
-    eng = engine(files)
+    eng = engine(files, ahead=ahead)
     eng.adaptive.probe_every = 8
     seq = eng.add(PROMPTS[1], GREEDY)
     catch_up = []
@@ -93,8 +96,8 @@ def test_probe_returns_to_speculation_when_acceptance_pays(files, plain):
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
 def test_batch_mixing_speculating_and_plain_sequences(files, plain, static):
     """One sequence drafts throughout, one decodes plainly, a third arrives mid-way (prefill beside both):
-    each gets its tokens alone; the plain one never drafts."""
-    eng = engine(files, spec_static=static)
+    each gets its tokens alone; the plain one never drafts (and never runs ahead beside a drafting one)."""
+    eng = engine(files, spec_static=static, ahead=True)
     eng.adaptive.cost = CostRatio(0.5)
     a = eng.add(PROMPTS[0], GREEDY)
     b = eng.new_sequence(PROMPTS[1], GREEDY)

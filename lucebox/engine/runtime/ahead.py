@@ -13,8 +13,9 @@ for nothing and is dropped: its K/V write lands at the position after the sequen
 block the engine frees and hands out again only to steps queued later on the same stream.
 
 Only steps where nothing needs the host between two steps run ahead: decode-only batches of greedy rows
-(no penalties, logprobs, grammar or forced tokens), no speculative decoding, nothing waiting to be
-admitted, and a KV block for every row without preempting anyone. A sequence that reaches its hold
+(no penalties, logprobs, grammar or forced tokens), none of them speculating (with a drafter loaded, the
+sequences the adaptive rule has decoding plainly: spec/adaptive.py), nothing waiting to be admitted,
+and a KV block for every row without preempting anyone. A sequence that reaches its hold
 (Sequence.hold_at) with the step in flight gets no row in the next one, so it stops exactly there.
 Before anything else touches the sequences (an abort, a command on the engine thread) the engine settles
 the step in flight.
@@ -62,9 +63,12 @@ def runs_ahead(seq: Sequence) -> bool:
 class Ahead:
     """The engine's step in flight (at most one), launched, continued and resolved."""
 
-    def __init__(self, runner: ModelRunner, scheduler: Scheduler) -> None:
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler,
+                 plainly: Callable[[Sequence], bool] | None = None) -> None:
         self.runner = runner
         self.scheduler = scheduler
+        # With a drafter: whether a sequence decodes plainly now (a speculating row needs the host each step).
+        self.plainly = plainly
         self.kv = runner.kv
         self.inflight: Launched | None = None
         self.steps = 0  # steps launched ahead
@@ -75,6 +79,8 @@ class Ahead:
     def eligible(self, chunks: list[Chunk]) -> bool:
         """A step the host need not see between: decode rows only, each greedy, a decode graph for it."""
         if not chunks or not all(is_decode(c) and runs_ahead(c.seq) for c in chunks):
+            return False
+        if self.plainly is not None and not all(self.plainly(c.seq) for c in chunks):
             return False
         graphs = self.runner.graphs
         if graphs is None:

@@ -172,7 +172,8 @@ class LLMEngine:
         # instead of taking the GIL from the engine thread while it prepares the step.
         self.on_launched: Callable[[], None] | None = None
         self.pacer = PrefillPacer(self.config.max_step_tokens) if self.config.prefill_pacing else None
-        # Greedy decode steps launched before the last one's tokens are read (off while speculating).
+        # Greedy decode steps launched before the last one's tokens are read (with a drafter: the steps where
+        # every sequence decodes plainly; set_speculation).
         self.ahead: Ahead | None = Ahead(self.runner, self.scheduler) if self._runs_ahead() else None
         self._settled: list[StepOutput] = []  # outputs of a step settled between two `step()` calls
         self.spec: SpecDecoder | None = None
@@ -304,7 +305,9 @@ class LLMEngine:
         assert self.cache is None, "switch speculation before enable_prefix_cache"
         self.spec = spec
         self.draft_path = None
-        self.ahead = Ahead(self.runner, self.scheduler) if spec is None and self._runs_ahead() else None
+        self.ahead = None
+        if self._runs_ahead() and (spec is None or self._lazy_context):  # with a drafter: its plain rows
+            self.ahead = Ahead(self.runner, self.scheduler, None if spec is None else self._decodes_plainly)
         self.scheduler.decode_rows = spec.rows_per_step if spec else 1
         self.scheduler.on_release = self._release_spec if spec else None
         self.adaptive = None
@@ -352,6 +355,17 @@ class LLMEngine:
         first (Scheduler.decode_start). Not a hybrid: re-running positions would advance its recurrent state
         twice, so its plain rows extend the drafter context as they go (its steps then stay speculative ones)."""
         return not self.hybrid
+
+    def _decodes_plainly(self, seq: Sequence) -> bool:
+        """A sequence the adaptive rule has decoding plainly, and its drafter context left behind (lazy)."""
+        assert self.adaptive is not None
+        return not self.adaptive.speculates(seq)
+
+    def _count_plain(self, chunks: list[Chunk]) -> None:
+        """The adaptive rule counts the plain rows of a step launched ahead (as `_spec_step` does its own)."""
+        if self.adaptive is not None:
+            for c in chunks:
+                self.adaptive.plain_token(c.seq)
 
     def _decode_start(self, seq: Sequence) -> int:
         assert self.adaptive is not None
@@ -597,6 +611,7 @@ class LLMEngine:
             t0 = time.perf_counter()
             chunks = ahead.next_chunks()
             if chunks is not None:  # the next step goes behind the one in flight, then that one is read
+                self._count_plain(chunks)
                 held = ahead.advance(chunks)
                 self.last_step = [(c.seq.seq_id, c.start, c.n) for c in chunks]
                 if self.on_launched is not None:
@@ -614,6 +629,7 @@ class LLMEngine:
         if not chunks:
             return outputs
         if ahead is not None and ahead.eligible(chunks):  # its tokens are read in the next step()
+            self._count_plain(chunks)
             ahead.launch(chunks)
             if self.on_launched is not None:
                 self.on_launched()
