@@ -466,6 +466,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--time-budget", type=float, default=None, help="fit the step count (and the LR schedule) "
                    "to this many seconds of training, measured as it goes (at most --steps/--epochs)")
     g.add_argument("--stop-after", type=int, default=None, help="checkpoint and stop after this many steps")
+    g.add_argument("--wall-limit", type=float, default=None, help="checkpoint and stop this many seconds after the "
+                   "command started, its data and features included (for machines that end a command at a set "
+                   "time; continue with --resume)")
     g = p.add_argument_group("progress and evaluation")
     g.add_argument("--log-every", type=int, default=10)
     g.add_argument("--save-every", type=int, default=500)

@@ -338,6 +338,9 @@ def test_command_caches_examples_and_resumes_where_it_stopped(tiny_gguf, tmp_pat
         assert torch.allclose(t, wb.state_dict()[name], atol=1e-5)
     summary = json.loads((part / SUMMARY).read_text())
     assert summary["result"]["step"] == 12 and summary["train_prompts"]["file"] == 16
+    walled = tmp_path / "walled"  # --wall-limit counts from the command's start: spent on the data here
+    assert main(cli_args(target, walled, prompts, wall_limit=0)) == 0
+    assert read_checkpoint(walled / CHECKPOINT)["step"] == 1
 
 
 def test_command_errors_are_one_line(tiny_gguf, tmp_path):

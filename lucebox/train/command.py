@@ -98,6 +98,7 @@ class RunOptions:
     time_limit: float | None = None  # seconds; then checkpoint and stop
     time_budget: float | None = None  # seconds; the step count (and LR schedule) shrinks to fit
     stop_after: int | None = None  # steps in this run; then checkpoint and stop
+    deadline: float | None = None  # time.monotonic() at which to checkpoint and stop (--wall-limit)
     quiet: bool = False
 
 
@@ -156,6 +157,7 @@ def run_training(trainer: Trainer, opts: RunOptions) -> dict[str, Any]:
                 trainer.cfg.steps = total
             limit = opts.time_limit is not None and time.monotonic() - t0 >= opts.time_limit
             limit |= opts.stop_after is not None and step - start_step >= opts.stop_after
+            limit |= opts.deadline is not None and time.monotonic() >= opts.deadline
             if step % opts.save_every == 0 or step == total or limit:
                 trainer.save(out)
                 if opts.eval_prompts and (step % eval_every == 0 or step == total):
@@ -226,6 +228,7 @@ def bench_trainer(trainer: Trainer, steps: int, out: Path) -> int:
 
 def main(args: argparse.Namespace) -> int:
     """`python -m lucebox train-drafter`: prompts → target responses → drafter training → tau."""
+    started = time.monotonic()
     from lucebox.chat.prompt import PromptBuilder
     from lucebox.engine.weights.loader import load_model
     from lucebox.fetch import resolve_model
@@ -290,7 +293,7 @@ def main(args: argparse.Namespace) -> int:
     opts = RunOptions(out=out, log_every=args.log_every, save_every=args.save_every, eval_every=args.eval_every,
                       eval_prompts=eval_ids, eval_tokens=args.eval_tokens, eval_ddtree_budget=args.eval_ddtree_budget,
                       time_limit=args.time_limit, time_budget=args.time_budget, stop_after=args.stop_after,
-                      quiet=args.quiet)
+                      deadline=None if args.wall_limit is None else started + args.wall_limit, quiet=args.quiet)
     if args.resume:
         trainer = Trainer.resume(loaded, engine, examples, out, args.feature_cache, args.max_rows, args.quiet,
                                  args.attention)
