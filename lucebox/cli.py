@@ -243,6 +243,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--prompts", type=int, default=10, help="prompts per suite")
     b.add_argument("--max-new", type=int, default=256, help="max new tokens per prompt")
     b.add_argument("--budgets", default="8,16,32", help="DDTree budgets to run")
+    b.add_argument("--spec-adaptive", action=argparse.BooleanOptionalAction, default=None,
+                   help="the adaptive rule, as serving runs it (default on): a prompt whose drafts do not pay "
+                        "decodes plainly; off: every step drafts")
     b.add_argument("--data-dir", type=Path, default=None, help="data folder (default: lucebox/data)")
     b.add_argument("--json", type=Path, default=Path("bench_spec.json"), help="where to write the results")
     b.set_defaults(func=_lazy("lucebox.bench.spec", "main"))
@@ -501,6 +504,8 @@ def engine_config(args: argparse.Namespace, **overrides: Any) -> Any:
     """The EngineConfig the engine flags (add_engine_args) ask for."""
     from lucebox.engine.runtime.llm_engine import EngineConfig
 
+    if getattr(args, "spec_adaptive", None) is not None:  # bench spec --no-spec-adaptive
+        overrides.setdefault("spec_adaptive", args.spec_adaptive)
     return EngineConfig(device=args.device, dtype=args.dtype, n_ctx=args.n_ctx,
                         weights=getattr(args, "weights", "auto"), kv_dtype=getattr(args, "kv_dtype", None) or "auto",
                         gpu_memory=getattr(args, "gpu_memory", None),

@@ -130,10 +130,14 @@ def test_cost_ratio_lookup_and_measurement(files):
     assert eng.spec.stats.steps == 0 and eng.adaptive.stats.plain_now == 0 and eng.adaptive.enabled
 
 
-def test_serve_flag():
+def test_serve_and_bench_flag():
     from lucebox.cli import build_parser
     from lucebox.serve import ServerConfig
 
     parser = build_parser()
     assert ServerConfig.from_args(parser.parse_args(["serve"])).spec_adaptive
     assert not ServerConfig.from_args(parser.parse_args(["serve", "--no-spec-adaptive"])).spec_adaptive
+    from lucebox.cli import engine_config  # the engine commands (bench spec) pass it on too
+
+    assert engine_config(parser.parse_args(["bench", "spec"])).spec_adaptive
+    assert not engine_config(parser.parse_args(["bench", "spec", "--no-spec-adaptive"])).spec_adaptive
