@@ -163,12 +163,14 @@ def test_build_tree_seeds_the_chain_and_grows_best_first():
     assert all(p < i + 1 for i, p in enumerate(parents))  # parents precede children
 
 
-def _draft_top(b: int, D: int, K: int, seed: int, ties: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def _draft_top(b: int, D: int, K: int, seed: int, ties: str = "") -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     lp = torch.randn(b, D, K, generator=gen).mul(2)
-    if ties:  # a few values repeated, exact zeros and -inf: ties everywhere
+    if ties == "some":  # a few values repeated, exact zeros and -inf: ties everywhere
         lp = lp.round()
         lp[:, :, -1] = float("-inf")
+    if ties == "peaked":  # one finite token per depth (masked logits): the tree grows on -inf candidates
+        lp[:, :, 1:] = float("-inf")
     lp = lp.log_softmax(-1).sort(-1, descending=True).values
     return lp, torch.randperm(1000, generator=gen)[: b * D * K].view(b, D, K)
 
@@ -197,7 +199,7 @@ def test_tree_kernel_is_build_tree(shape, monkeypatch):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     monkeypatch.setattr(triton_tree, "ON_CPU", device == "cpu")
     b, D, K, budget = shape
-    for ties in (False, True):
+    for ties in ("", "some", "peaked"):
         lp, tok = _draft_top(b, D, K, budget, ties=ties)
         nodes, parent, depth, bits = (t.cpu() for t in triton_tree.draft_trees(lp.to(device), tok.to(device),
                                                                               budget + 1))

@@ -7,7 +7,8 @@ bits [b, n] (bit a of row r: row a is r or an ancestor; the attention's `tree_bi
 
 One Triton program per sequence runs spec/dflash.py's `build_tree` itself: the top-1 chain, then best-first
 growth by cumulative log-probability (float64, as the host sums), with the heap as a frontier in registers (a
-pop is an argmax, ties to the first pushed, as heapq's counter does). Same nodes, same order, as the host's.
+pop takes the live candidate of the largest value, ties to the first pushed, as heapq's counter does; -inf
+candidates too, as the host orders them). Same nodes, same order, as the host's.
 On the CPU the one-launch step calls `build_tree` itself (spec/static.py): its eager step may read the host.
 
 Tests: tests/test_spec.py (the kernel against build_tree, on CUDA or the CPU under TRITON_INTERPRET=1).
@@ -59,8 +60,8 @@ if triton is not None:
     @triton.jit
     def _tree_kernel(LP, TOK, NODES, PARENT, DEPTH, BITS, D: tl.constexpr, K: tl.constexpr, N: tl.constexpr,
                      ROWS: tl.constexpr, FRONT: tl.constexpr):
-        # One sequence: rows (root = 0) and a frontier of candidates (depth, rank, parent row, value); a popped
-        # or empty slot holds -inf, so an argmax (ties: the lowest slot, the first pushed) is heapq's pop.
+        # One sequence: rows (root = 0) and a frontier of candidates (depth, rank, parent row, value, live); a
+        # pop takes the lowest live slot (the first pushed) of the largest value, -inf included: heapq's pop.
         s = tl.program_id(0)
         lp_row = LP + s * D * K
         tok_row = TOK + s * D * K
@@ -75,11 +76,12 @@ if triton is not None:
         f_dep = tl.zeros([FRONT], tl.int32)
         f_rank = tl.zeros([FRONT], tl.int32)
         f_par = tl.zeros([FRONT], tl.int32)
+        f_live = tl.zeros([FRONT], tl.int32)
         pushed = 0
         # the top-1 chain: row d + 1 at depth d + 1, under row d; its rank-1 siblings go to the frontier
         for d in tl.static_range(D):
             row = d + 1
-            c = _pick(cum, r_idx, d) + tl.maximum(tl.load(lp_row + d * K), -1e30)
+            c = _pick(cum, r_idx, d) + tl.load(lp_row + d * K)
             b_row = _pick(bits, r_idx, d) | (tl.full([], 1, tl.int64) << row)
             cum = tl.where(r_idx == row, c, cum)
             par = tl.where(r_idx == row, d, par)
@@ -87,20 +89,23 @@ if triton is not None:
             tok = tl.where(r_idx == row, tl.load(tok_row + d * K), tok)
             bits = tl.where(r_idx == row, b_row, bits)
             if K > 1:
-                v = _pick(cum, r_idx, d) + tl.maximum(tl.load(lp_row + d * K + 1), -1e30)
+                v = _pick(cum, r_idx, d) + tl.load(lp_row + d * K + 1)
                 f_val = tl.where(f_idx == pushed, v, f_val)
+                f_live = tl.where(f_idx == pushed, 1, f_live)
                 f_dep = tl.where(f_idx == pushed, d, f_dep)
                 f_rank = tl.where(f_idx == pushed, 1, f_rank)
                 f_par = tl.where(f_idx == pushed, d, f_par)
                 pushed += 1
         # best-first: pop the best candidate, push its next sibling and its first child
         for row in tl.static_range(D + 1, N):
-            j = tl.argmax(f_val, 0)
+            live = f_live != 0
+            best = tl.max(tl.where(live, f_val, float("-inf")), 0)
+            j = tl.min(tl.where(live & (f_val == best), f_idx, FRONT), 0)
             v = _pick(f_val, f_idx, j)
             d = _pick(f_dep, f_idx, j)
             rank = _pick(f_rank, f_idx, j)
             p = _pick(f_par, f_idx, j)
-            f_val = tl.where(f_idx == j, float("-inf"), f_val)
+            f_live = tl.where(f_idx == j, 0, f_live)
             b_row = _pick(bits, r_idx, p) | (tl.full([], 1, tl.int64) << row)
             cum = tl.where(r_idx == row, v, cum)
             par = tl.where(r_idx == row, p, par)
@@ -109,15 +114,17 @@ if triton is not None:
             bits = tl.where(r_idx == row, b_row, bits)
             base = _pick(cum, r_idx, p)  # the parent's cumulative log-prob
             sib = rank + 1 < K
-            v_sib = base + tl.maximum(tl.load(lp_row + d * K + rank + 1, mask=sib, other=0.0), -1e30)
+            v_sib = base + tl.load(lp_row + d * K + rank + 1, mask=sib, other=0.0)
             f_val = tl.where((f_idx == pushed) & sib, v_sib, f_val)
+            f_live = tl.where((f_idx == pushed) & sib, 1, f_live)
             f_dep = tl.where(f_idx == pushed, d, f_dep)
             f_rank = tl.where(f_idx == pushed, rank + 1, f_rank)
             f_par = tl.where(f_idx == pushed, p, f_par)
             pushed += 1
             kid = d + 1 < D
-            v_kid = v + tl.maximum(tl.load(lp_row + (d + 1) * K, mask=kid, other=0.0), -1e30)
+            v_kid = v + tl.load(lp_row + (d + 1) * K, mask=kid, other=0.0)
             f_val = tl.where((f_idx == pushed) & kid, v_kid, f_val)
+            f_live = tl.where((f_idx == pushed) & kid, 1, f_live)
             f_dep = tl.where(f_idx == pushed, d + 1, f_dep)
             f_rank = tl.where(f_idx == pushed, 0, f_rank)
             f_par = tl.where(f_idx == pushed, row, f_par)
