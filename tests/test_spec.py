@@ -250,6 +250,6 @@ def test_cuda_graph_spec_equals_plain(smollm2_path, tmp_path, ddtree):
                tok.encode("def fib(n):\n    "), tok.encode("The three primary colors are")]
     params = SamplingParams(max_tokens=48, ignore_eos=True)
     assert spec.generate(prompts, params) == plain.generate(prompts, params)
-    assert any(k[0] == ("verify" if ddtree else "chain") for k in spec.spec.static.graphs)
+    assert any(k[0] == ("tree" if ddtree else "chain") for k in spec.spec.static.graphs)
     # The random drafter does not pay: the adaptive rule stops it, and those plain steps run ahead (graphs).
     assert spec.adaptive.stats.stops > 0 and spec.ahead is not None and spec.ahead.steps > 0
