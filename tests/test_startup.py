@@ -372,17 +372,23 @@ def test_spec_warm_up_captures_every_graph(smollm2_path, tmp_path):
     from lucebox.engine.runtime.sampler import SamplingParams
     from tests.test_spec import random_drafter
 
+    """A speculative engine warmed up after a plain one (`bench spec` builds several in one process): its own
+    warm-up's compiles are not reported as late, and serving (the adaptive rule stopping the random drafter,
+    probing it again after 32 plain tokens and catching its context up) compiles and captures nothing."""
     draft = random_drafter(smollm2_path, tmp_path / "d", layers=1, block=8, target_layers=[2, 15, 27])
-    seen = len(warmup.COMPILES.in_capture)
+    seen, late = len(warmup.COMPILES.in_capture), len(warmup.COMPILES.late)
+    LLMEngine.from_path(smollm2_path, EngineConfig(device="cuda", max_num_seqs=4), quiet=True).warm_up(False)
     engine = LLMEngine.from_path(smollm2_path, EngineConfig(device="cuda", max_num_seqs=4, draft=str(draft)),
                                  quiet=True)
     engine.warm_up(progress=False)
+    assert warmup.COMPILES.late[late:] == []
     static = engine.spec.static
     assert set(static.graphs) == set(static.graph_keys())
     prompts = [engine.tokenizer.encode("x " * n) for n in (5, 300, 700)]
-    engine.generate(prompts, SamplingParams(max_tokens=40, ignore_eos=True))
+    engine.generate(prompts, SamplingParams(max_tokens=100, ignore_eos=True))
+    assert engine.adaptive.stats.probes > 0
     assert engine.captures_after_ready == 0 and engine.compiles_after_ready == 0, warmup.COMPILES.late
-    assert warmup.COMPILES.in_capture[seen:] == []
+    assert warmup.COMPILES.late[late:] == [] and warmup.COMPILES.in_capture[seen:] == []
 
 
 @needs_cuda

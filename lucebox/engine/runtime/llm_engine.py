@@ -464,6 +464,7 @@ class LLMEngine:
         static = self.spec.static if self.spec is not None else None
         if self.device.type == "cuda":
             warmup.COMPILES.install()
+            warmup.COMPILES.armed = False  # another engine of this process may have armed it: this is a warm-up
             limit = min(self.n_ctx - 4, (self.kv.pool.num_blocks - 2) * self.kv.block_size - 4)
             lengths = warmup.shape_lengths(min(self.config.max_step_tokens, limit), limit)
             prefill = self.runner.prefill_graphs

@@ -57,7 +57,7 @@ class KernelCompiles:
             previous = runtime.jit_post_compile_hook
 
             def hook(*args: Any, **kwargs: Any) -> Any:
-                self._compiled(kwargs.get("fn"), kwargs.get("repr"))
+                self._compiled(kwargs.get("fn"), _specialisation(kwargs.get("compile")) or kwargs.get("repr"))
                 return previous(*args, **kwargs) if previous is not None else None
 
             runtime.jit_post_compile_hook = hook
@@ -79,6 +79,18 @@ class KernelCompiles:
 
 
 COMPILES = KernelCompiles()
+
+
+def _specialisation(compile_args: Any) -> str | None:
+    """The parts of a Triton compile that tell one specialisation from another (argument types, constant and
+    divisibility attributes), in one line; None where this Triton does not pass them."""
+    if not isinstance(compile_args, dict) or "signature" not in compile_args:
+        return None
+    sig = compile_args.get("signature") or {}
+    types = ",".join(f"{k}:{v}" for k, v in sig.items() if v != "constexpr") if isinstance(sig, dict) else str(sig)
+    consts = compile_args.get("constants") or {}
+    consts = ",".join(f"{k}={v}" for k, v in consts.items()) if isinstance(consts, dict) else str(consts)
+    return f"types({types}) constants({consts}) attrs({compile_args.get('configs')})"
 
 
 def shape_lengths(chunk: int, limit: int) -> list[int]:
