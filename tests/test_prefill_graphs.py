@@ -67,7 +67,7 @@ def test_graph_replay_equals_the_eager_forward(engines):
         chunks = [Chunk(a, 40, 30), Chunk(b, 0, 20), Chunk(c, 50, 70), Chunk(d, 0, 9)]
         assert not chunks[1].wants_logits  # b's prompt goes on past row 20
         replays = runner.prefill_graphs.replays
-        sampled, logits, _ = runner.run(chunks)
+        sampled, logits, _, _ = runner.run(chunks)
         assert runner.prefill_graphs.replays == replays + 1
         eager = runner.forward(runner.prepare(chunks))
         want = [ch for ch in eager.inputs.order if ch.wants_logits]
@@ -119,7 +119,45 @@ def test_a_bucket_captured_while_serving_after_a_larger_one_equals_eager(smollm2
         seqs.append(s)
     for s in seqs:
         chunks = [Chunk(s, 0, len(s.token_ids))]
-        sampled, logits, _ = runner.run(chunks)
+        sampled, logits, _, _ = runner.run(chunks)
         assert sampled == chunks
         torch.testing.assert_close(logits, runner.forward(runner.prepare(chunks)).logits, atol=2e-4, rtol=1e-4)
     assert sorted(runner.prefill_graphs.graphs) == [16, 336] and not runner.prefill_graphs.dropped
+
+
+@needs_cuda
+def test_graph_replay_keeps_a_drafters_target_layers(engines):
+    """With a drafter's layers set (`set_capture`), a replayed step (`run_step`: a speculative engine's prompt
+    and catch-up chunks) gives each chunk the eager forward's logits and captured layer outputs."""
+    from lucebox.engine.runtime.sampler import SamplingParams
+    from lucebox.engine.runtime.sequence import Chunk, Sequence
+
+    engine = engines[0]
+    runner, kv, rng = engine.runner, engine.kv, random.Random(3)
+    graphs, layers = runner.prefill_graphs, (2, 15, 27)
+    seqs = []
+    for n in (90, 40):
+        s = Sequence([rng.randrange(1000) for _ in range(n)], SamplingParams())
+        s.block_table = kv.pool.allocate(kv.blocks_for(n + 8))
+        seqs.append(s)
+    a, b = seqs
+    try:
+        graphs.set_capture(layers)
+        assert not graphs.graphs
+        graphs.capture_all()
+        runner.forward(runner.prepare([Chunk(a, 0, 57)]))  # a cached context, as a catch-up chunk has
+        chunks = [Chunk(a, 57, 33), Chunk(b, 0, 40)]
+        replayed = graphs.run_step(chunks)
+        assert replayed is not None and len(replayed.features) == len(layers)
+        eager = runner.forward(runner.prepare(chunks), capture=layers)
+        for i, ch in enumerate(replayed.inputs.order):
+            j = eager.inputs.order.index(ch)
+            torch.testing.assert_close(replayed.chunk_logits(i), eager.chunk_logits(j), atol=2e-4, rtol=1e-4)
+            for got, want in zip(replayed.chunk_features(i), eager.chunk_features(j), strict=True):
+                assert got.shape == (ch.n, engine.model_config.hidden_size)
+                torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+    finally:
+        graphs.set_capture(())
+        graphs.capture_all()  # as the warm-up left them, for the module's other tests
+        for s in seqs:
+            kv.pool.decref(s.block_table)

@@ -253,3 +253,5 @@ def test_cuda_graph_spec_equals_plain(smollm2_path, tmp_path, ddtree):
     assert any(k[0] == ("tree" if ddtree else "chain") for k in spec.spec.static.graphs)
     # The random drafter does not pay: the adaptive rule stops it, and those plain steps run ahead (graphs).
     assert spec.adaptive.stats.stops > 0 and spec.ahead is not None and spec.ahead.steps > 0
+    # Its prompts, and the chunks that catch its context up when a probe drafts again, replay prefill graphs.
+    assert spec.runner.prefill_graphs is not None and spec.runner.prefill_graphs.replays > 0

@@ -188,6 +188,11 @@ class LLMEngine:
 
     @classmethod
     def from_path(cls, path: str | Path, config: EngineConfig | None = None, quiet: bool = False) -> LLMEngine:
+        from lucebox.engine.runtime import warmup
+
+        # Loading and the memory plan compile kernels; another engine's warm-up (bench spec, tests) armed the
+        # late-compile recorder for its own serving, not for this start-up.
+        warmup.COMPILES.armed = False
         config = config or EngineConfig()
         device = config.resolve_device()
         if config.weights not in WEIGHTS:
@@ -320,6 +325,8 @@ class LLMEngine:
                 self.scheduler.decode_start = self._decode_start
         if self.runner.graphs is not None:  # a hybrid's plain rows feed the drafter context from the decode graphs
             self.runner.graphs.keep_layers(spec.capture if spec is not None and not self._lazy_context else ())
+        if self.runner.prefill_graphs is not None:  # prompt and catch-up chunks feed the drafter context
+            self.runner.prefill_graphs.set_capture(spec.capture if spec is not None else ())
         static = self.config.spec_static
         if spec is not None and self._static_hybrid_ok() and self.runner.guard is None and (
                 static or (static is None and self.device.type == "cuda" and self.config.cuda_graphs)):
@@ -464,7 +471,7 @@ class LLMEngine:
         static = self.spec.static if self.spec is not None else None
         if self.device.type == "cuda":
             warmup.COMPILES.install()
-            warmup.COMPILES.armed = False  # another engine of this process may have armed it: this is a warm-up
+            warmup.COMPILES.armed = False  # (as from_path: a warm-up's compiles are not late ones)
             limit = min(self.n_ctx - 4, (self.kv.pool.num_blocks - 2) * self.kv.block_size - 4)
             lengths = warmup.shape_lengths(min(self.config.max_step_tokens, limit), limit)
             prefill = self.runner.prefill_graphs
@@ -780,7 +787,11 @@ class LLMEngine:
                     return outputs + (self._plain_step(plain, extend=not lazy) if plain else [])
         try:
             verify = spec.propose(drafting) if drafting else []
-            result = self.runner.forward(self.runner.prepare(verify + others + plain), capture=spec.capture)
+            graphs = self.runner.prefill_graphs  # no verification: prompt or catch-up chunks (and plain rows)
+            result = (graphs.run_step(others + plain) if graphs is not None and not verify
+                      and graphs.capture == tuple(spec.capture) else None)
+            if result is None:
+                result = self.runner.forward(self.runner.prepare(verify + others + plain), capture=spec.capture)
         except Exception as exc:  # noqa: BLE001 - no sequence has changed yet: isolate the failing one
             return outputs + self._spec_one_by_one(drafting + others + plain, exc)
         plain_rows = {id(c) for c in plain}

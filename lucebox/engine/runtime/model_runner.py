@@ -30,22 +30,29 @@ from lucebox.engine.runtime.sequence import Chunk
 
 
 @dataclass
-class StepInputs:
+class RowLayout:
+    """Where each chunk of a step sits in the step's flat rows and in its logits."""
+
+    order: list[Chunk]  # chunks in layout order
+    row_starts: list[int]  # first flat row of each chunk in `order`
+    logit_starts: list[int]  # first logits row of each chunk in `order` (-1: none)
+
+
+@dataclass(kw_only=True)
+class StepInputs(RowLayout):
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
     logit_rows: torch.Tensor  # rows (of the flat layout) whose logits are wanted
-    order: list[Chunk]  # chunks in layout order
-    row_starts: list[int]  # first flat row of each chunk in `order`
-    logit_starts: list[int]  # first logits row of each chunk in `order` (-1: none)
     state: StateRows | None = None  # hybrid models: the recurrent state slot of each chunk
 
 
 @dataclass
 class StepResult:
-    """One forward pass: logits of the sampling rows, and captured layer outputs when asked."""
+    """One forward pass (eager, or a prefill graph's replay): logits of the sampling rows, and captured layer
+    outputs when asked."""
 
-    inputs: StepInputs
+    inputs: RowLayout
     logits: torch.Tensor  # [n_logit_rows, vocab]
     features: list[torch.Tensor]  # one [T, hidden] per captured layer (all rows), or []
 
@@ -198,7 +205,8 @@ class ModelRunner:
             meta.groups.append(AttnGroup(first, n_seqs, q_len, max_ctx, bt, ctx_lens,
                                          positions[first: first + n_seqs * q_len], tree,
                                          fresh=c0.start == 0 and not c0.verify))
-        return StepInputs(input_ids, positions, meta, logits_t, order, row_starts, logit_starts, state)
+        return StepInputs(order=order, row_starts=row_starts, logit_starts=logit_starts, input_ids=input_ids,
+                          positions=positions, meta=meta, logit_rows=logits_t, state=state)
 
     # ----- execution ---------------------------------------------------------
 
