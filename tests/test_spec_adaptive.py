@@ -7,7 +7,7 @@ import pytest
 
 from lucebox.engine.runtime.llm_engine import EngineConfig, LLMEngine
 from lucebox.engine.runtime.sampler import SamplingParams
-from lucebox.engine.spec.adaptive import Acceptance, CostRatio, measure_cost_ratio
+from lucebox.engine.spec.adaptive import Acceptance, AdaptiveSpec, CostRatio, measure_cost_ratio
 from tests.test_spec import random_drafter
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -56,7 +56,8 @@ def run(eng: LLMEngine, seqs, each_step=None) -> None:
 @pytest.mark.parametrize("ahead", [False, True], ids=["in-step", "ahead"])
 def test_useless_drafter_stops_after_the_minimum_and_stays_lossless(files, plain, ahead):
     """A random drafter (tau ~ 1 < r = 1.5): min_steps verifications, then plain steps with no drafter forward
-    (launched a step ahead where the engine does that: runtime/ahead.py); a failed probe doubles the wait."""
+    (launched a step ahead where the engine does that: runtime/ahead.py); a probe takes probe_steps
+    verifications, and a failed one doubles the wait."""
     eng = engine(files, ahead=ahead)
     eng.adaptive.probe_every = 8
     calls = drafter_calls(eng)
@@ -65,7 +66,9 @@ def test_useless_drafter_stops_after_the_minimum_and_stays_lossless(files, plain
     assert seq.output_ids == plain[0]
     a = eng.adaptive
     assert a.stats.stops >= 2 and a.stats.probes >= 1 and a.stats.resumes == 0
-    assert seq.spec_steps == calls[0] and seq.spec_steps <= a.min_steps * (a.stats.probes + 1)
+    # The first decision takes min_steps verifications, each failed probe probe_steps (fewer).
+    assert seq.spec_steps == calls[0] and seq.spec_steps <= a.min_steps + a.probe_steps * a.stats.probes
+    assert a.probe_steps < a.min_steps and seq.spec_steps > a.min_steps
     assert seq.spec_state.interval >= 16  # the failed probe doubled 8
     assert a.stats.plain_tokens > 20 and a.stats.plain_now == 0
     assert eng.kv.pool.num_used == 0
@@ -141,3 +144,11 @@ def test_serve_and_bench_flag():
 
     assert engine_config(parser.parse_args(["bench", "spec"])).spec_adaptive
     assert not engine_config(parser.parse_args(["bench", "spec", "--no-spec-adaptive"])).spec_adaptive
+
+
+def test_rule_parameters_are_checked():
+    assert AdaptiveSpec().probe_steps == 2 < AdaptiveSpec().min_steps == 4
+    for bad in (dict(probe_steps=5), dict(probe_steps=0), dict(min_steps=0), dict(alpha=0), dict(probe_every=0),
+                dict(probe_every=64, probe_max=32)):
+        with pytest.raises(ValueError):
+            AdaptiveSpec(**bad)

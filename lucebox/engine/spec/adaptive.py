@@ -7,8 +7,9 @@ sequence keeps τ as a moving average of the tokens its verifications committed 
 1/alpha, so the first decision after `min_steps` verifications is not one step's luck). When τ falls to r or
 below, the sequence decodes plainly: its row is an ordinary one-token decode row (and a step where no sequence
 drafts or prefills is a plain step, no drafter at all). After `probe_every` plain tokens it drafts again (a
-probe: a fresh window of `min_steps` verifications); a probe that fails doubles the wait, up to `probe_max`,
-and one that passes resets it. Output is unaffected either way: both modes give plain decoding's tokens.
+probe: a fresh window of `probe_steps` verifications, fewer than the first decision's: on a drafter that never
+pays the probes were most of what the rule cost); a probe that fails doubles the wait, up to `probe_max`, and
+one that passes resets it. Output is unaffected either way: both modes give plain decoding's tokens.
 """
 
 from __future__ import annotations
@@ -73,12 +74,14 @@ class CostRatio:
 
 class AdaptiveSpec:
     def __init__(self, enabled: bool = True, cost: CostRatio | None = None, *, min_steps: int = 4,
-                 alpha: float = 0.25, probe_every: int = 32, probe_max: int = 512) -> None:
-        if min_steps < 1 or not 0 < alpha <= 1 or not 1 <= probe_every <= probe_max:
-            raise ValueError("adaptive speculation: min_steps >= 1, 0 < alpha <= 1, 1 <= probe_every <= probe_max")
+                 probe_steps: int = 2, alpha: float = 0.25, probe_every: int = 32, probe_max: int = 512) -> None:
+        if not 1 <= probe_steps <= min_steps or not 0 < alpha <= 1 or not 1 <= probe_every <= probe_max:
+            raise ValueError("adaptive speculation: 1 <= probe_steps <= min_steps, 0 < alpha <= 1, "
+                             "1 <= probe_every <= probe_max")
         self.enabled = enabled
         self.cost = cost or CostRatio()
-        self.min_steps, self.alpha, self.probe_every, self.probe_max = min_steps, alpha, probe_every, probe_max
+        self.min_steps, self.probe_steps, self.alpha = min_steps, probe_steps, alpha
+        self.probe_every, self.probe_max = probe_every, probe_max
         self.stats = AdaptiveStats()
 
     def state(self, seq: Sequence) -> Acceptance:
@@ -98,7 +101,7 @@ class AdaptiveSpec:
         st = self.state(seq)
         st.steps += 1
         st.tau += max(self.alpha, 1.0 / st.steps) * (committed - st.tau)
-        if st.steps < self.min_steps:
+        if st.steps < (self.probe_steps if st.probing else self.min_steps):
             return
         r = self.cost.at(batch)
         if st.tau > r:
