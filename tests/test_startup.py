@@ -369,12 +369,12 @@ def _stream(url: str, body: dict) -> int:
 
 @needs_cuda
 def test_spec_warm_up_captures_every_graph(smollm2_path, tmp_path):
-    from lucebox.engine.runtime.sampler import SamplingParams
-    from tests.test_spec import random_drafter
-
     """A speculative engine warmed up after a plain one (`bench spec` builds several in one process): its own
     warm-up's compiles are not reported as late, and serving (the adaptive rule stopping the random drafter,
     probing it again after 32 plain tokens and catching its context up) compiles and captures nothing."""
+    from lucebox.engine.runtime.sampler import SamplingParams
+    from tests.test_spec import random_drafter
+
     draft = random_drafter(smollm2_path, tmp_path / "d", layers=1, block=8, target_layers=[2, 15, 27])
     seen, late = len(warmup.COMPILES.in_capture), len(warmup.COMPILES.late)
     LLMEngine.from_path(smollm2_path, EngineConfig(device="cuda", max_num_seqs=4), quiet=True).warm_up(False)
