@@ -587,6 +587,8 @@ def register_engine_metrics(ctx: ServerContext) -> None:
         m.counter("lucebox_spec_stops_total", "Times a request stopped drafting (tau below the cost ratio)",
                   lambda: ad.stats.stops)
         m.counter("lucebox_spec_resumes_total", "Probes after which a request drafts again", lambda: ad.stats.resumes)
+        m.gauge("lucebox_spec_first_wait_tokens", "Plain tokens before a new request's first probe (grows while "
+                "probes fail, back to its minimum when drafts pay)", lambda: ad.first_wait)
 
 
 def _env_flag(name: str) -> bool:

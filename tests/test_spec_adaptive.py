@@ -96,6 +96,33 @@ def test_probe_returns_to_speculation_when_acceptance_pays(files, plain, ahead):
     assert seq.spec_steps > eng.adaptive.min_steps
 
 
+def test_a_new_request_waits_as_long_as_the_last_failed_probe(files, plain):
+    """The backoff carries over: after a request whose probes failed, the next one still drafts first (its first
+    decision) but probes only after the longest wait that failed; the warm-up forgets it, and drafts that pay
+    (a low cost ratio) reset it to probe_every."""
+    eng = engine(files)
+    a = eng.adaptive
+    a.probe_every = 4
+    eng.warm_up(progress=False)
+    assert a.learned_wait == 0 and a.first_wait == 4  # the warm-up's requests are not traffic
+    first = eng.add(PROMPTS[0], GREEDY)
+    run(eng, [first])
+    assert a.stats.probes >= 2 and a.learned_wait == first.spec_state.interval >= 16  # 4 -> 8 -> 16 ...
+    assert first.spec_steps >= a.min_steps + 2 * a.probe_steps
+    wait = a.learned_wait
+    calls = drafter_calls(eng)
+    second = eng.add(PROMPTS[1], GREEDY)
+    run(eng, [second])
+    assert second.output_ids == plain[1] and calls[0] == second.spec_steps
+    # It drafted first, then waited `wait` plain tokens (not 4, 8, ...): one probe at most in 40 tokens.
+    assert second.spec_steps <= a.min_steps + a.probe_steps
+    assert a.learned_wait >= wait and a.props()["first_wait"] == a.learned_wait
+    a.cost = CostRatio(0.5)  # tau >= 1 > 0.5: a first decision that passes resets the wait
+    third = eng.add(PROMPTS[2], GREEDY)
+    run(eng, [third])
+    assert third.output_ids == plain[2] and a.learned_wait == 0 and a.first_wait == 4
+
+
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
 def test_batch_mixing_speculating_and_plain_sequences(files, plain, static):
     """One sequence drafts throughout, one decodes plainly, a third arrives mid-way (prefill beside both):

@@ -45,6 +45,8 @@ def run_config(engine: LLMEngine, spec: Any, prompts: list[list[int]], params: S
     returns outputs, tokens, seconds and τ."""
     if spec is not None:
         spec.stats.steps = spec.stats.committed = spec.stats.drafted = 0
+    if engine.adaptive is not None:  # each configuration starts as a fresh server would
+        engine.adaptive.forget()
     outputs = []
     _sync(engine)
     t = time.perf_counter()

@@ -141,6 +141,8 @@ def warm_requests(engine: LLMEngine, lengths: list[int], advance: Any = None) ->
         if engine.spec is not None:
             stats = engine.spec.stats
             stats.steps = stats.committed = stats.drafted = 0
+        if engine.adaptive is not None:
+            engine.adaptive.forget()
     failed = [s.seq_id for s in seqs if s.finish_reason not in ("length", "stop")]
     if failed:
         log.warning("warm-up: %d of %d requests ended with an error (see above)", len(failed), len(seqs))

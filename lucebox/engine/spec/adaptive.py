@@ -9,7 +9,11 @@ below, the sequence decodes plainly: its row is an ordinary one-token decode row
 drafts or prefills is a plain step, no drafter at all). After `probe_every` plain tokens it drafts again (a
 probe: a fresh window of `probe_steps` verifications, fewer than the first decision's: on a drafter that never
 pays the probes were most of what the rule cost); a probe that fails doubles the wait, up to `probe_max`, and
-one that passes resets it. Output is unaffected either way: both modes give plain decoding's tokens.
+one that passes resets it. The first wait of a new sequence is learned across sequences: the longest wait whose
+probe failed lately (`first_wait`), back to `probe_every` as soon as any sequence's drafts pay (a first decision
+or a probe that passes). With a drafter that does not pay on the traffic, a request then spends its first
+decision's verifications and few or no probes, instead of re-learning the backoff from `probe_every` each time;
+every request still drafts at its start. Output is unaffected either way: both modes give plain decoding's tokens.
 """
 
 from __future__ import annotations
@@ -82,12 +86,22 @@ class AdaptiveSpec:
         self.cost = cost or CostRatio()
         self.min_steps, self.probe_steps, self.alpha = min_steps, probe_steps, alpha
         self.probe_every, self.probe_max = probe_every, probe_max
+        self.learned_wait = 0  # the longest wait whose probe failed lately (0: none, or drafts paid since)
         self.stats = AdaptiveStats()
 
     def state(self, seq: Sequence) -> Acceptance:
         if seq.spec_state is None:
-            seq.spec_state = Acceptance(interval=self.probe_every)
+            seq.spec_state = Acceptance(interval=self.first_wait)
         return seq.spec_state
+
+    @property
+    def first_wait(self) -> int:
+        """Plain tokens before a new sequence's first probe, learned from the sequences before it."""
+        return max(self.probe_every, self.learned_wait)
+
+    def forget(self) -> None:
+        """Start the learned first wait over (after a warm-up, whose requests are not traffic)."""
+        self.learned_wait = 0
 
     def speculates(self, seq: Sequence) -> bool:
         """Whether this sequence's next decode row drafts (always, with the rule off)."""
@@ -105,6 +119,7 @@ class AdaptiveSpec:
             return
         r = self.cost.at(batch)
         if st.tau > r:
+            self.learned_wait = 0  # drafts pay on this traffic: new sequences probe early again
             if st.probing:
                 st.probing, st.interval = False, self.probe_every
                 self.stats.resumes += 1
@@ -113,6 +128,7 @@ class AdaptiveSpec:
             return
         if st.probing:
             st.interval = min(2 * st.interval, self.probe_max)
+            self.learned_wait = max(self.learned_wait, st.interval)
         st.speculating, st.probing, st.plain_tokens = False, False, 0
         self.stats.stops += 1
         self.stats.plain_now += 1
@@ -145,7 +161,7 @@ class AdaptiveSpec:
         s = self.stats
         return {"adaptive": self.enabled, "cost_ratio": self.cost.props(), "cost_ratio_measured": self.cost.measured,
                 "stops": s.stops, "resumes": s.resumes, "probes": s.probes, "plain_tokens": s.plain_tokens,
-                "plain_sequences": s.plain_now}
+                "plain_sequences": s.plain_now, "first_wait": self.first_wait}
 
 
 def time_steps(engine: LLMEngine, batches: tuple[int, ...] = (1, 4, 16, 64), steps: int = 8,
