@@ -97,8 +97,8 @@ def test_probe_returns_to_speculation_when_acceptance_pays(files, plain, ahead):
 
 
 def test_a_new_request_waits_as_long_as_the_last_failed_probe(files, plain):
-    """The backoff carries over: after a request whose probes failed, the next one still drafts first (its first
-    decision) but probes only after the longest wait that failed; the warm-up forgets it, and drafts that pay
+    """The backoff carries over: after a request whose probes failed, the next one still drafts first (a probe's
+    window) but probes again only after the longest wait that failed; the warm-up forgets it, and drafts that pay
     (a low cost ratio) reset it to probe_every."""
     eng = engine(files)
     a = eng.adaptive
@@ -112,12 +112,19 @@ def test_a_new_request_waits_as_long_as_the_last_failed_probe(files, plain):
     wait = a.learned_wait
     calls = drafter_calls(eng)
     second = eng.add(PROMPTS[1], GREEDY)
-    run(eng, [second])
+    first_stop = []
+
+    def watch():
+        if not first_stop and second.spec_state is not None and not second.spec_state.speculating:
+            first_stop.append(second.spec_steps)
+
+    run(eng, [second], watch)
     assert second.output_ids == plain[1] and calls[0] == second.spec_steps
-    # It drafted first, then waited `wait` plain tokens (not 4, 8, ...): one probe at most in 40 tokens.
-    assert second.spec_steps <= a.min_steps + a.probe_steps
+    # Its first window was a probe's (probe_steps verifications, not min_steps), then it waited `wait` plain
+    # tokens (not 4, 8, ...): one more probe at most in 40 tokens.
+    assert first_stop == [a.probe_steps] and second.spec_steps <= 2 * a.probe_steps
     assert a.learned_wait >= wait and a.props()["first_wait"] == a.learned_wait
-    a.cost = CostRatio(0.5)  # tau >= 1 > 0.5: a first decision that passes resets the wait
+    a.cost = CostRatio(0.5)  # tau >= 1 > 0.5: a first window that passes resets the wait
     third = eng.add(PROMPTS[2], GREEDY)
     run(eng, [third])
     assert third.output_ids == plain[2] and a.learned_wait == 0 and a.first_wait == 4

@@ -11,9 +11,11 @@ probe: a fresh window of `probe_steps` verifications, fewer than the first decis
 pays the probes were most of what the rule cost); a probe that fails doubles the wait, up to `probe_max`, and
 one that passes resets it. The first wait of a new sequence is learned across sequences: the longest wait whose
 probe failed lately (`first_wait`), back to `probe_every` as soon as any sequence's drafts pay (a first decision
-or a probe that passes). With a drafter that does not pay on the traffic, a request then spends its first
-decision's verifications and few or no probes, instead of re-learning the backoff from `probe_every` each time;
-every request still drafts at its start. Output is unaffected either way: both modes give plain decoding's tokens.
+or a probe that passes). While that wait is learned, a new request's first window is a probe's (`probe_steps`
+verifications, not `min_steps`). With a drafter that does not pay on the traffic, a request then spends one
+probe's verifications and few or no more, instead of re-learning the backoff from `probe_every` each time (a
+short agent turn paid most of that); every request still drafts at its start. Output is unaffected either way:
+both modes give plain decoding's tokens.
 """
 
 from __future__ import annotations
@@ -91,7 +93,9 @@ class AdaptiveSpec:
 
     def state(self, seq: Sequence) -> Acceptance:
         if seq.spec_state is None:
-            seq.spec_state = Acceptance(interval=self.first_wait)
+            # Drafts have not paid lately (a learned wait): the first window is a probe's.
+            seq.spec_state = Acceptance(interval=self.first_wait, probing=self.learned_wait > 0)
+            self.stats.probes += self.learned_wait > 0
         return seq.spec_state
 
     @property
