@@ -233,11 +233,13 @@ def spec_run(drafted, seeds: Sequence[int | None], *, ddtree: bool, walk=None,
 
 def lossy_walk(chunk, choose):
     """The classic lossy rule: on a rejection, the bonus is redrawn from the full distribution (not the residual),
-    so a draft token gets a second chance: P(d) becomes p + (1 - p) p."""
+    so a draft token gets a second chance: P(d) becomes p + (1 - p) p. The redraw needs fresh noise: the
+    sampler's noise is a function of (seed, position), so it is told one more accepted token (PARAMS has no
+    penalties or grammar, which are all that read the accepted tokens besides the position)."""
     path, tokens = REAL_WALK(chunk, choose)
     parents = chunk.parents or list(range(-1, chunk.n - 1))
     if any(parents[i] == path[-1] for i in range(chunk.n)):  # stopped on a mismatch
-        tokens[-1] = choose(path[-1], tokens[:-1])
+        tokens[-1] = choose(path[-1], tokens[:-1] + [-1])
     return path, tokens
 
 

@@ -104,7 +104,7 @@ SAMPLING_RANGES: dict[str, tuple[float, float, bool]] = {
     "repetition_penalty": (0.01, 100.0, False),
 }
 MAX_TOP_K = 2**31 - 1
-SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
+SEED_RANGE = (-(2**63), 2**64 - 1)  # signed or unsigned 64-bit (the sampler takes seeds mod 2**64)
 LOGIT_BIAS_LIMIT = 100.0
 
 

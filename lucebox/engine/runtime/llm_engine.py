@@ -33,7 +33,6 @@ from lucebox.engine.runtime.sampler import (
     SamplingError,
     SamplingParams,
     TokenLogprobs,
-    make_generator,
     sample,
 )
 from lucebox.engine.runtime.scheduler import Scheduler
@@ -588,8 +587,7 @@ class LLMEngine:
             params.validate()
         except ValueError as exc:
             raise LuceboxError(str(exc)) from None
-        return Sequence(list(prompt_ids), params, generator=make_generator(params.seed, self.device),
-                        constraint=constraint)
+        return Sequence(list(prompt_ids), params, constraint=constraint)
 
     def abort(self, seq: Sequence, reason: str = "cancelled") -> None:
         """End `seq` now; with reason "stop" (the answer is complete) its prefix is still cached."""
@@ -860,7 +858,8 @@ class LLMEngine:
             allowed = None if grammar is None else expand_masks(grammar.mask_after(accepted)[None],
                                                                 logits.shape[-1], logits.device)
             try:
-                toks, lp = sample(logits[row: row + 1], [SampleRow(p, seq.prompt_ids, history, seq.generator)],
+                toks, lp = sample(logits[row: row + 1],
+                                  [SampleRow(p, seq.prompt_ids, history, p.seed, seq.num_output + len(accepted))],
                                   allowed)
             except Exception as exc:  # noqa: BLE001 - handed to the caller through `failed`
                 failed[seq] = exc
@@ -878,7 +877,8 @@ class LLMEngine:
     def _row(c: Chunk) -> SampleRow:
         s = c.seq
         # Penalties need the history; copying it every step would cost O(length) for nothing otherwise.
-        return SampleRow(s.params, s.prompt_ids, s.output_ids if s.params.has_penalties else [], s.generator)
+        return SampleRow(s.params, s.prompt_ids, s.output_ids if s.params.has_penalties else [], s.params.seed,
+                         s.num_output)
 
     # ----- conveniences (CLI, tests, benchmarks) -----------------------------
 

@@ -1,9 +1,15 @@
-"""Batched sampling with per-request parameters and per-request seeded generators.
+"""Batched sampling with per-request parameters and per-request seeds.
 
 Order of operations (as Hugging Face and vLLM apply them): penalties →
 temperature → top-k → top-p → min-p → draw. Greedy rows skip straight to
 argmax after penalties. Log-probabilities reported to clients are those of
 the model's raw distribution (before penalties and temperature), as vLLM does.
+
+The draw is the inverse CDF at one uniform per row, all rows in one batched search. A seeded row's
+uniform is counter-based, a hash of (seed, output position) (splitmix64), not a generator's state: a
+row's tokens do not depend on the rows beside it or on how many draws came before, and speculative
+decoding, which chooses at a verified row what plain decoding would choose at that position, draws the
+same token there. Unseeded rows take fresh uniforms from torch's global generator.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import torch
 TOP_K_MAX = 2**31 - 1
 REPETITION_PENALTY_RANGE = (1e-4, 1e4)
 TEMPERATURE_MAX = 1e4
-SEED_MODULUS = 2**64  # torch.Generator.manual_seed takes 64 bits (a negative seed wraps the same way)
+SEED_MODULUS = 2**64  # seeds are 64-bit (a negative seed wraps the same way)
 
 
 @dataclass
@@ -82,7 +88,7 @@ def _number(x: object) -> bool:
 
 
 class SamplingError(ValueError):
-    """A row's parameters left it no distribution to draw from (raised before any generator is used)."""
+    """A row's parameters left it no distribution to draw from (raised before anything is drawn)."""
 
 
 @dataclass
@@ -99,15 +105,25 @@ class SampleRow:
     params: SamplingParams
     prompt_ids: list[int]
     output_ids: list[int]
-    generator: torch.Generator | None = None
+    seed: int | None = None  # None: a fresh uniform from torch's global generator
+    position: int = 0  # the output index of the token being chosen (a seeded row's uniform depends on it)
 
 
-def make_generator(seed: int | None, device: torch.device) -> torch.Generator | None:
-    if seed is None:
-        return None
-    g = torch.Generator(device=device)
-    g.manual_seed(seed)
-    return g
+_MASK = 2**64 - 1
+_GAMMA = 0x9E3779B97F4A7C15  # splitmix64's increment (the golden ratio)
+
+
+def _mix(z: int) -> int:
+    """splitmix64's finalizer (Steele, Lea & Flood 2014), mod 2**64."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return z ^ (z >> 31)
+
+
+def seeded_uniform(seed: int, position: int) -> float:
+    """A seeded row's uniform in (0, 1) at one output position: 53 bits of a hash of (seed, position)."""
+    z = _mix((_mix(seed % SEED_MODULUS) + (position + 1) * _GAMMA) & _MASK)
+    return ((z >> 11) + 0.5) * 2.0**-53
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
@@ -157,25 +173,25 @@ def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
 
 
 def draw(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-    """One token per row from softmax(logits), each row with its own generator.
+    """One token per row from softmax(logits): the inverse CDF at each row's uniform (module docstring).
 
     Rows whose probabilities are not a distribution (NaN, inf, all zero) raise SamplingError before any
-    draw: on CUDA `multinomial` would hit a device-side assert (fatal to the process), and no generator
-    has moved yet, so the engine can drop the bad row and sample the others exactly as it would have."""
+    draw, and before the global generator moves, so the engine can drop the bad row and sample the
+    others exactly as it would have."""
     probs = logits.softmax(-1)
     ok = torch.isfinite(probs).all(-1) & (probs.sum(-1) > 0)
     if not bool(ok.all()):
         bad = (~ok).nonzero().flatten().tolist()
         raise SamplingError(f"rows {bad} have no valid probability distribution (NaN or inf after the penalties "
                             "and temperature)")
-    out = torch.empty(len(rows), dtype=torch.long, device=logits.device)
-    shared = [i for i, r in enumerate(rows) if r.generator is None]
-    if shared:
-        out[shared] = torch.multinomial(probs[shared], 1).squeeze(1)
-    for i, r in enumerate(rows):
-        if r.generator is not None:
-            out[i] = torch.multinomial(probs[i], 1, generator=r.generator)[0]
-    return out
+    unseeded = [i for i, r in enumerate(rows) if r.seed is None]
+    fresh = iter(torch.rand(len(unseeded), dtype=torch.float64).clamp_(2.0**-53, 1 - 2.0**-53).tolist())
+    u = [next(fresh) if r.seed is None else seeded_uniform(r.seed, r.position) for r in rows]
+    # float64: u * total < total exactly (u <= 1 - 2**-53), so the search never runs off the end; a token of
+    # probability 0 repeats its left neighbour's cumulative sum, and `right=True` never lands on it.
+    cdf = probs.double().cumsum(-1)
+    target = torch.tensor(u, dtype=torch.float64, device=logits.device)[:, None] * cdf[:, -1:]
+    return torch.searchsorted(cdf, target, right=True).squeeze(1)
 
 
 def sample(logits: torch.Tensor, rows: list[SampleRow],

@@ -7,8 +7,6 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from lucebox.engine.runtime.sampler import SamplingParams, TokenLogprobs
 
 _ids = itertools.count()
@@ -33,7 +31,6 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None  # stop | length | cancelled | error
     logprobs: list[TokenLogprobs] = field(default_factory=list)
-    generator: torch.Generator | None = None
     # Tokens to append instead of the next sampled one (e.g. a forced `</think>`
     # when a thinking budget runs out); the model then prefills them.
     forced_tokens: list[int] = field(default_factory=list)

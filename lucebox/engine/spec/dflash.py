@@ -3,7 +3,7 @@ verify it with the target in one forward pass, accept the longest agreeing prefi
 
 Lossless: the target's choice at each verified row is exactly what plain
 decoding would pick there (argmax, or a sample from the request's full
-sampling chain drawn with the request's generator), and a draft token is
+sampling chain drawn with the request's seed at that position), and a draft token is
 kept only when it equals that choice (DFLASH.md: rejection sampling with a
 point-mass proposal). The engine calls, per step:
 
