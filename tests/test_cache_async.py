@@ -10,6 +10,7 @@ published and released) is checked here on the real SmolLM2 engine. Stream overl
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -236,12 +237,16 @@ def test_the_pflash_scorer_overlaps_the_main_stream(smollm2_path):
     text = " ".join(f"item {i} is on shelf {i % 7}." for i in range(300))
     service.compress(loaded.tokenizer.encode(text), text, None)  # warm-up (kernels)
     torch.cuda.synchronize()
-    torch.cuda._sleep(2_000_000_000)  # about a second of work queued on the main stream
+    t0 = time.perf_counter()
+    service.compress(loaded.tokenizer.encode(text + " x"), text + " x", None)  # the same call, nothing queued
+    alone = time.perf_counter() - t0
+    # Work queued on the main stream for several times as long as the call takes alone (~1.9 GHz clocks).
+    torch.cuda._sleep(int(max(1.0, 5 * alone) * 2_000_000_000))
     done = threading.Event()
     worker = threading.Thread(target=lambda: (service.compress(loaded.tokenizer.encode(text + " x"), text + " x",
                                                                 None), done.set()))
     worker.start()
     worker.join(60)
     assert done.is_set() and not torch.cuda.current_stream().query(), \
-        "the scorer finished while the main stream was still busy"
+        f"the scorer did not finish while the main stream was busy (alone it takes {alone:.2f} s)"
     torch.cuda.synchronize()
