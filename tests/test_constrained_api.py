@@ -275,6 +275,9 @@ LLAMA = 'Respond in the format {"name": function name, "parameters": dictionary 
     (LLAMA, "required", None, None, '{"name": "bash", "arguments": {"command": "ls"}}', False),
     ("", "none", {"type": "json_object"}, None, '{"a": [1, {"b": null}]}', True),
     ("", "none", {"type": "json_object"}, None, "[1, 2]", False),
+    ("", "none", {"type": "json_object"}, None, '{\n  "a": [\n    1,\n\n    {"b": null}\n  ]\n}', True),  # pretty
+    ("", "none", {"type": "json_object"}, None, '{"a":\n\n\n1}', False),  # at most one blank line between tokens
+    ("", "none", {"type": "json_object"}, None, '{\n' + " " * 33 + '"a": 1}', False),  # at most 32 columns of indent
     ("", "auto", {"type": "json_object"}, None, JSON_CALL, True),  # tools and JSON: a call or the JSON
     ("", "none", {"type": "json_schema", "schema": SCHEMAS["calculate"]}, THINKING,
      'Twelve and a half times four.</think>\n\n{"a": 12.5, "b": 4, "op": "mul"}', True),

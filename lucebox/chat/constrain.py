@@ -27,7 +27,8 @@ Policy:
   `description` it meant to copy) looped inside a string until its token limit, where unconstrained it had
   made the call. A forced call, which must validate, is held to the schema.
 - Objects of tool arguments and strict schemas take no keys they do not list (`closed`).
-- "none" or no tools: only the output format, if any.
+- "none" or no tools: only the output format, if any: JSON, compact or pretty-printed, with bounded
+  whitespace between its tokens (`BOUNDED`).
 - A thinking model whose turn is open for reasoning (or may open `<think>`) reasons freely up to `</think>`.
 A marker that is one special token of the tokenizer is written as that token (`<[id]>`), else as text.
 """
@@ -117,11 +118,17 @@ COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator"
 """Call arguments written as the templates' `tojson` writes them: what the model was shown, and what renders
 back identically on the next turn (the prefix cache keeps its hit)."""
 
+BOUNDED = {"whitespace_flexible": True,
+           "whitespace_pattern": r"(?:[ \t]{1,2}|[ \t]{0,2}\r?\n(?:\r?\n)?[ \t]{0,32})"}
+"""JSON answers (response_format) may be compact or pretty-printed, but each gap between two JSON tokens holds
+at most one blank line and 32 columns of indent: with free whitespace a sampled answer can spend its whole
+token budget on newlines the grammar allows, and never close its object (llama.cpp's JSON grammars bound
+their whitespace the same way)."""
 
-def _json_rule(g: _Lark, schema: Any, compact: bool = False) -> str:
-    schema = schema if isinstance(schema, dict) else {}
-    if compact:
-        schema = {**schema, "x-guidance": COMPACT}
+
+def _json_rule(g: _Lark, schema: Any, layout: dict) -> str:
+    """A `%json` rule for `schema`, written with `layout` (llguidance's options; a request's own are replaced)."""
+    schema = {**(schema if isinstance(schema, dict) else {}), "x-guidance": layout}
     return g.rule("%json " + json.dumps(schema, ensure_ascii=False))
 
 
@@ -141,7 +148,7 @@ def _json_call(g: _Lark, tools: dict[str, dict]) -> str:
     """After the open marker: `\\n{"name": N, "arguments": {...}}\\n</tool_call>` for any of `tools`."""
     alts = [{"type": "object", "properties": {"name": {"const": name}, "arguments": _object_schema(params)},
              "required": ["name", "arguments"], "additionalProperties": False} for name, params in tools.items()]
-    body = _json_rule(g, alts[0] if len(alts) == 1 else {"anyOf": alts}, compact=True)
+    body = _json_rule(g, alts[0] if len(alts) == 1 else {"anyOf": alts}, COMPACT)
     return g.rule(f'"\\n" {body} "\\n" {g.literal(CLOSE)}')
 
 
@@ -149,7 +156,7 @@ def _llama_call(g: _Lark, tools: dict[str, dict]) -> str:
     """A bare `{"name": N, "parameters": {...}}` for any of `tools` (Llama 3's JSON tool calling)."""
     alts = [{"type": "object", "properties": {"name": {"const": name}, "parameters": _object_schema(params)},
              "required": ["name", "parameters"], "additionalProperties": False} for name, params in tools.items()]
-    return _json_rule(g, alts[0] if len(alts) == 1 else {"anyOf": alts}, compact=True)
+    return _json_rule(g, alts[0] if len(alts) == 1 else {"anyOf": alts}, COMPACT)
 
 
 def _object_schema(params: dict) -> dict:
@@ -211,7 +218,7 @@ def _xml_call(g: _Lark, tools: dict[str, dict]) -> str:
             elif is_plain_string(schema) and not choices:  # raw text up to the closing tag, within its lengths
                 value = g.rule(f"/(?s:.{_length(schema)})\\n<\\/parameter>\\n/", "[lazy]")
             else:
-                value = g.rule(f'{_json_rule(g, closed(schema), compact=True)} "\\n</parameter>\\n"')
+                value = g.rule(f'{_json_rule(g, closed(schema), COMPACT)} "\\n</parameter>\\n"')
             item = g.rule(f"{head} {value}")
             parts.append(item if key in required else f"{item}?")
         fn = json.dumps(f"\n<function={name}>\n", ensure_ascii=False)
@@ -273,7 +280,7 @@ class _GemmaValues:
             return self.text(schema)
         if kind in ("integer", "number", "boolean"):  # written bare, as JSON writes them: JSON's rule holds ranges
             return _json_rule(g=self.g, schema={k: v for k, v in schema.items() if k not in ("description", "title")},
-                              compact=True)
+                              layout=COMPACT)
         if kind == "array":
             item = self.value(schema.get("items"), depth + 1)
             lo, hi = _bounds(schema, "minItems", "maxItems")
@@ -383,8 +390,8 @@ def _call_rule(g: _Lark, fmt: str, template_source: str, tools: dict[str, dict])
 def _format_rule(g: _Lark, output_format: dict) -> str:
     if output_format.get("type") == "json_schema":
         schema = output_format.get("schema") or {}
-        return _json_rule(g, closed(schema) if output_format.get("strict") else schema)
-    return _json_rule(g, {"type": "object"})
+        return _json_rule(g, closed(schema) if output_format.get("strict") else schema, BOUNDED)
+    return _json_rule(g, {"type": "object"}, BOUNDED)
 
 
 def _why(forced: str | None, tools: bool, output_format: dict | None) -> tuple[str, str, str]:
