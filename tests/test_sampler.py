@@ -63,6 +63,35 @@ def test_top_k_and_top_p_keep_exactly_the_right_tokens():
     assert set(torch.nonzero(f).flatten().tolist()) == keep
 
 
+def reference_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> set[int]:
+    """The tokens top-k then top-p keep, by a full sort of the row (the rule as Hugging Face writes it)."""
+    order = logits.argsort(descending=True)
+    order = order[:top_k] if top_k else order
+    probs = logits[order].softmax(-1)
+    before = probs.cumsum(-1) - probs
+    return {int(t) for t, b in zip(order, before) if b <= top_p or top_p == 1} | {int(order[0])}
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_top_k_top_p_on_the_candidates_equals_the_full_sort(device):
+    """The nucleus is cut from a row's largest logits, and from a full sort where they do not hold it: both give
+    the tokens the full-sort rule keeps, whichever side of NUCLEUS_CANDIDATES the row falls."""
+    g = torch.Generator().manual_seed(5)
+    vocab, cases = 5000, [(0, 0.9), (0, 0.5), (40, 0.95), (0, 0.999), (2000, 1.0), (2000, 0.99), (7, 1.0), (0, 1e-4)]
+    spread = [6.0, 3.0, 0.3]  # peaked rows (small nuclei), middling, nearly flat (nuclei past the candidates)
+    logits = torch.cat([torch.randn(len(cases), vocab, generator=g) * s for s in spread])
+    params = [SamplingParams(temperature=1.0, top_k=k, top_p=p) for k, p in cases] * len(spread)
+    out = filter_logits(logits.to(device), params).cpu()
+    sizes = []
+    for row, prm in zip(range(len(params)), params):
+        kept = set(torch.isfinite(out[row]).nonzero().flatten().tolist())
+        assert kept == reference_top_k_top_p(logits[row], prm.top_k, prm.top_p), (row, prm)
+        assert torch.equal(out[row][list(kept)], logits[row][list(kept)])  # kept logits are unchanged
+        sizes.append(len(kept))
+    assert min(sizes) == 1 and max(sizes) > 1024  # both paths ran
+
+
 def test_min_p_drops_tokens_below_the_scaled_floor():
     probs = LOGITS[0].softmax(-1)
     keep = {i for i in range(6) if probs[i] >= 0.2 * probs.max()}

@@ -145,31 +145,63 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor
     return logits
 
 
+NUCLEUS_CANDIDATES = 1024
+"""Top-k and top-p look at a row's largest logits first, and sort the whole row only when its nucleus is not
+among them (a top-k above this, or a top-p mass the candidates do not reach: with SmolLM2 on MT-Bench at
+T=0.9, top-p 0.95, 0.5% of rows). A full-vocabulary sort per row was two thirds of a 256-row sampling step."""
+
+
 def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Temperature, top-k, top-p, min-p over rows that sample (not greedy)."""
     dev = logits.device
     temps = torch.tensor([max(p.temperature, 1e-5) for p in params], device=dev, dtype=logits.dtype)
     logits = logits / temps[:, None]
-    need_sort = any((p.top_k > 0) or p.top_p < 1.0 for p in params)
-    if need_sort:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
+    if any((p.top_k > 0) or p.top_p < 1.0 for p in params):
         vocab = logits.shape[-1]
         ks = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev)
-        ranks = torch.arange(vocab, device=dev)[None, :]
-        drop = ranks >= ks[:, None]
-        top_ps = torch.tensor([p.top_p for p in params], device=dev, dtype=logits.dtype)
-        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
-        before = probs.cumsum(-1) - probs  # mass strictly before each rank
-        drop |= before > top_ps[:, None]
-        drop[:, 0] = False
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+        ps = torch.tensor([p.top_p for p in params], device=dev, dtype=logits.dtype)
+        logits = _top_k_top_p(logits, ks, ps)
     min_ps = [p.min_p for p in params]
     if any(m > 0 for m in min_ps):
         probs = logits.softmax(-1)
         floor = torch.tensor(min_ps, device=dev, dtype=logits.dtype)[:, None] * probs.max(-1, keepdim=True).values
         logits = logits.masked_fill(probs < floor, float("-inf"))
     return logits
+
+
+def _top_k_top_p(logits: torch.Tensor, ks: torch.Tensor, ps: torch.Tensor) -> torch.Tensor:
+    """`logits` with every token outside each row's top-k, then outside its top-p nucleus, at -inf."""
+    vocab = logits.shape[-1]
+    vals, idx = logits.topk(min(NUCLEUS_CANDIDATES, vocab), dim=-1)  # sorted, largest first
+    total = logits.logsumexp(-1)
+    keep, mass = _nucleus(vals, ks, ps, total, vocab)
+    out = torch.full_like(logits, float("-inf")).scatter_(-1, idx, vals.masked_fill(~keep, float("-inf")))
+    # Exact where the cut falls among the candidates: a top-k within them, or (no top-k) a mass past top-p,
+    # after which the first token left out already has more than top-p before it.
+    unsure = ~((ks <= vals.shape[-1]) | ((ks >= vocab) & (mass > ps)))
+    if bool(unsure.any()):
+        rows = unsure.nonzero().flatten()
+        vals, idx = logits[rows].sort(dim=-1, descending=True)
+        keep, _ = _nucleus(vals, ks[rows], ps[rows], total[rows], vocab)
+        out[rows] = torch.full_like(vals, float("-inf")).scatter_(-1, idx, vals.masked_fill(~keep, float("-inf")))
+    return out
+
+
+def _nucleus(vals: torch.Tensor, ks: torch.Tensor, ps: torch.Tensor, total: torch.Tensor,
+             vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(which of a row's largest logits `vals` [rows, n] (sorted) top-k and top-p keep, their probability mass).
+
+    Probabilities are over the row's top-k, or without one over its whole vocabulary (`total`, the logsumexp
+    of all of it: `vals` may be the first n only); a token is kept while the mass before it is at most top-p."""
+    ranks = torch.arange(vals.shape[-1], device=vals.device)[None, :]
+    drop = ranks >= ks[:, None]
+    in_k = vals.masked_fill(drop, float("-inf")).logsumexp(-1)
+    norm = torch.where(ks >= vocab, total, in_k)
+    probs = (vals - norm[:, None]).exp().masked_fill(drop, 0.0)
+    cum = probs.cumsum(-1)
+    drop |= ((cum - probs) > ps[:, None]) & (ps[:, None] < 1)  # top-p 1 cuts nothing (cum can round past 1)
+    drop[:, 0] = False
+    return ~drop, cum[:, -1]
 
 
 def draw(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
