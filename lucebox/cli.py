@@ -161,8 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: lazily, which is quicker for one prompt)")
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("bench", help="benchmarks (decode, qmm, moe, serve, agent, spec, spec-cost, cache, pflash, "
-                                     "spark)")
+    p = sub.add_parser("bench", help="benchmarks (decode, qmm, moe, serve, agent, spec, spec-cost, sample, cache, "
+                                     "pflash, spark)")
     bench = p.add_subparsers(dest="bench", required=True)
     b = bench.add_parser("decode", help="prefill and decode tok/s, this engine vs transformers")
     add_engine_args(b)
@@ -264,6 +264,19 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--taus", default="6,7,8", help="acceptance lengths to project the speedup at (default 6,7,8)")
     b.add_argument("--json", type=Path, default=Path("bench_spec_cost.json"), help="where to write the results")
     b.set_defaults(func=_lazy("lucebox.bench.spec_cost", "main"))
+
+    b = bench.add_parser("sample", help="one sampling step over the model's own distributions: top-k/top-p from "
+                         "each row's largest logits vs a full sort of every row, and the whole sample()")
+    add_engine_args(b)
+    b.add_argument("--rows", type=int, default=256, help="rows sampled at once (default 256)")
+    b.add_argument("--temperature", type=float, default=0.9)
+    b.add_argument("--top-p", type=float, default=0.95)
+    b.add_argument("--top-k", type=int, default=0, help="0: off (default)")
+    b.add_argument("--suite", default="mtbench", help="the prompts the model answers (default mtbench)")
+    b.add_argument("--data-dir", type=Path, default=None, help="data folder (default: lucebox/data)")
+    b.add_argument("--steps", type=int, default=20, help="timed calls per path (default 20)")
+    b.add_argument("--json", type=Path, default=Path("bench_sample.json"), help="where to write the results")
+    b.set_defaults(func=_lazy("lucebox.bench.sample", "main"))
 
     b = bench.add_parser("cache", help="prefix cache on replayed agent sessions: TTFT per turn, per tier, restart")
     add_engine_args(b)

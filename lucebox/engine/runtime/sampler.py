@@ -172,7 +172,8 @@ def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
 def _top_k_top_p(logits: torch.Tensor, ks: torch.Tensor, ps: torch.Tensor) -> torch.Tensor:
     """`logits` with every token outside each row's top-k, then outside its top-p nucleus, at -inf."""
     vocab = logits.shape[-1]
-    vals, idx = logits.topk(min(NUCLEUS_CANDIDATES, vocab), dim=-1)  # sorted, largest first
+    n = min(NUCLEUS_CANDIDATES, vocab)  # largest first (topk of a whole row is slower than its sort)
+    vals, idx = logits.topk(n, dim=-1) if n < vocab else logits.sort(dim=-1, descending=True)
     total = logits.logsumexp(-1)
     keep, mass = _nucleus(vals, ks, ps, total, vocab)
     out = torch.full_like(logits, float("-inf")).scatter_(-1, idx, vals.masked_fill(~keep, float("-inf")))
