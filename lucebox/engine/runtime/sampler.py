@@ -160,7 +160,7 @@ def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
         vocab = logits.shape[-1]
         ks = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev)
         ps = torch.tensor([p.top_p for p in params], device=dev, dtype=logits.dtype)
-        logits = _top_k_top_p(logits, ks, ps)
+        logits = _top_k_top_p(logits, ks, ps, top_k=any(0 < p.top_k < vocab for p in params))
     min_ps = [p.min_p for p in params]
     if any(m > 0 for m in min_ps):
         probs = logits.softmax(-1)
@@ -169,13 +169,14 @@ def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
     return logits
 
 
-def _top_k_top_p(logits: torch.Tensor, ks: torch.Tensor, ps: torch.Tensor) -> torch.Tensor:
-    """`logits` with every token outside each row's top-k, then outside its top-p nucleus, at -inf."""
+def _top_k_top_p(logits: torch.Tensor, ks: torch.Tensor, ps: torch.Tensor, top_k: bool) -> torch.Tensor:
+    """`logits` with every token outside each row's top-k, then outside its top-p nucleus, at -inf (`top_k`:
+    some row has a top-k below the vocabulary; without one the top-k passes are skipped)."""
     vocab = logits.shape[-1]
     n = min(NUCLEUS_CANDIDATES, vocab)  # largest first (topk of a whole row is slower than its sort)
     vals, idx = logits.topk(n, dim=-1) if n < vocab else logits.sort(dim=-1, descending=True)
     total = logits.logsumexp(-1)
-    keep, mass = _nucleus(vals, ks, ps, total, vocab)
+    keep, mass = _nucleus(vals, ks, ps, total, vocab, top_k)
     out = torch.full_like(logits, float("-inf")).scatter_(-1, idx, vals.masked_fill(~keep, float("-inf")))
     # Exact where the cut falls among the candidates: a top-k within them, or (no top-k) a mass past top-p,
     # after which the first token left out already has more than top-p before it.
@@ -183,24 +184,27 @@ def _top_k_top_p(logits: torch.Tensor, ks: torch.Tensor, ps: torch.Tensor) -> to
     if bool(unsure.any()):
         rows = unsure.nonzero().flatten()
         vals, idx = logits[rows].sort(dim=-1, descending=True)
-        keep, _ = _nucleus(vals, ks[rows], ps[rows], total[rows], vocab)
+        keep, _ = _nucleus(vals, ks[rows], ps[rows], total[rows], vocab, top_k)
         out[rows] = torch.full_like(vals, float("-inf")).scatter_(-1, idx, vals.masked_fill(~keep, float("-inf")))
     return out
 
 
-def _nucleus(vals: torch.Tensor, ks: torch.Tensor, ps: torch.Tensor, total: torch.Tensor,
-             vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _nucleus(vals: torch.Tensor, ks: torch.Tensor, ps: torch.Tensor, total: torch.Tensor, vocab: int,
+             top_k: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(which of a row's largest logits `vals` [rows, n] (sorted) top-k and top-p keep, their probability mass).
 
     Probabilities are over the row's top-k, or without one over its whole vocabulary (`total`, the logsumexp
     of all of it: `vals` may be the first n only); a token is kept while the mass before it is at most top-p."""
-    ranks = torch.arange(vals.shape[-1], device=vals.device)[None, :]
-    drop = ranks >= ks[:, None]
-    in_k = vals.masked_fill(drop, float("-inf")).logsumexp(-1)
-    norm = torch.where(ks >= vocab, total, in_k)
-    probs = (vals - norm[:, None]).exp().masked_fill(drop, 0.0)
+    drop = torch.arange(vals.shape[-1], device=vals.device)[None, :] >= ks[:, None] if top_k else None
+    if drop is not None:
+        in_k = vals.masked_fill(drop, float("-inf")).logsumexp(-1)
+        total = torch.where(ks >= vocab, total, in_k)
+    probs = (vals - total[:, None]).exp()
+    if drop is not None:
+        probs.masked_fill_(drop, 0.0)
     cum = probs.cumsum(-1)
-    drop |= ((cum - probs) > ps[:, None]) & (ps[:, None] < 1)  # top-p 1 cuts nothing (cum can round past 1)
+    cut = ((cum - probs) > ps[:, None]) & (ps[:, None] < 1)  # top-p 1 cuts nothing (cum can round past 1)
+    drop = cut if drop is None else drop | cut
     drop[:, 0] = False
     return ~drop, cum[:, -1]
 
