@@ -84,7 +84,7 @@ def test_top_k_top_p_on_the_candidates_equals_the_full_sort(device):
     params = [SamplingParams(temperature=1.0, top_k=k, top_p=p) for k, p in cases] * len(spread)
     out = filter_logits(logits.to(device), params).cpu()
     sizes = []
-    for row, prm in zip(range(len(params)), params):
+    for row, prm in enumerate(params):
         kept = set(torch.isfinite(out[row]).nonzero().flatten().tolist())
         assert kept == reference_top_k_top_p(logits[row], prm.top_k, prm.top_p), (row, prm)
         assert torch.equal(out[row][list(kept)], logits[row][list(kept)])  # kept logits are unchanged

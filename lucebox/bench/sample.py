@@ -77,16 +77,16 @@ def measure(name: str, logits: torch.Tensor, args: argparse.Namespace) -> dict[s
     batch = [params] * len(logits)
     kept = torch.isfinite(sampler.filter_logits(logits, batch))
     sizes = kept.sum(-1).float().cpu()
-    fast_ms = _time(lambda: sampler.filter_logits(logits, batch), args.steps)
+    fast_ms = _time(lambda: sampler.filter_logits(logits, batch), args.steps, logits.device)
     candidates = sampler.NUCLEUS_CANDIDATES
-    sampler.NUCLEUS_CANDIDATES = logits.shape[-1]  # topk of the whole row: the full sort, every row
+    sampler.NUCLEUS_CANDIDATES = logits.shape[-1]  # the fallback's full sort, for every row
     try:
         kept_sorted = torch.isfinite(sampler.filter_logits(logits, batch))
-        sort_ms = _time(lambda: sampler.filter_logits(logits, batch), args.steps)
+        sort_ms = _time(lambda: sampler.filter_logits(logits, batch), args.steps, logits.device)
     finally:
         sampler.NUCLEUS_CANDIDATES = candidates
     rows = [sampler.SampleRow(params, [], [], seed=i, position=0) for i in range(len(logits))]
-    sample_ms = _time(lambda: sampler.sample(logits, rows), args.steps)
+    sample_ms = _time(lambda: sampler.sample(logits, rows), args.steps, logits.device)
     return {"logits": name, "nucleus": {"p50": float(sizes.quantile(0.5)), "p99": float(sizes.quantile(0.99)),
                                         "max": float(sizes.max())},
             "past_candidates": float((sizes > candidates).float().mean()),
@@ -94,17 +94,13 @@ def measure(name: str, logits: torch.Tensor, args: argparse.Namespace) -> dict[s
             "same_kept": float((kept == kept_sorted).all(-1).float().mean().item()), "sample_ms": sample_ms}
 
 
-def _time(fn: Callable[[], Any], steps: int) -> float:
-    """Milliseconds per call, after one warm-up call (synchronized on CUDA)."""
+def _time(fn: Callable[[], Any], steps: int, device: torch.device) -> float:
+    """Milliseconds per call, after one warm-up call (synchronized on a CUDA device)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     fn()
-    _sync()
+    sync()
     start = time.perf_counter()
     for _ in range(steps):
         fn()
-    _sync()
+    sync()
     return (time.perf_counter() - start) / steps * 1e3
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
