@@ -152,6 +152,26 @@ def test_mismatched_drafter_is_refused(tiny_gguf, tmp_path):
         engine(a, draft=str(tmp_path))
 
 
+def test_a_loaded_drafter_keeps_its_weights_in_fused_projections_without_copies(tiny_gguf, tmp_path):
+    """`ready` fuses q/k/v and gate/up into one matrix each for the kernels; the named weights become views of
+    them (no second copy), and what is saved and loaded is unchanged."""
+    a = tiny_gguf("qwen3", "F32")
+    folder = random_drafter(a, tmp_path / "d")
+    cfg = read_model_config(a)
+    drafter = load_drafter(folder, cfg, "cpu", torch.float32)
+    saved = drafter.state_dict()
+    save_drafter(drafter, tmp_path / "again")
+    again = load_drafter(tmp_path / "again", cfg, "cpu", torch.float32).state_dict()
+    assert saved.keys() == again.keys() and all(torch.equal(saved[k], again[k]) for k in saved)
+    for layer in drafter.layers:
+        att, mlp = layer.self_attn, layer.mlp
+        assert torch.equal(layer.qkv_weight, torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight]))
+        assert torch.equal(layer.gate_up_weight, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+        for w in (att.q_proj.weight, att.v_proj.weight, layer.kv_weight):
+            assert w.untyped_storage().data_ptr() == layer.qkv_weight.untyped_storage().data_ptr()
+        assert mlp.up_proj.weight.untyped_storage().data_ptr() == layer.gate_up_weight.untyped_storage().data_ptr()
+
+
 def test_build_tree_seeds_the_chain_and_grows_best_first():
     # 3 depths, top-3 each; cumulative log-probs decide the order after the chain.
     lp = [[-0.1, -1.0, -3.0], [-0.2, -0.5, -4.0], [-0.3, -2.0, -5.0]]

@@ -177,6 +177,30 @@ def test_rope_qk_and_cache(dtype, t, model):
     assert torch.equal(kv[0], kv_ref[0]) and torch.equal(kv[1, 1], kv_ref[1, 1])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq", [0, 9])
+def test_rope_qk_without_caches_and_without_q_heads(dtype, hq):
+    """The DFlash drafter's two uses: block rows rotated and normed with nothing written (no caches), and
+    context rows' k/v alone (no q heads) written to the cache."""
+    torch.manual_seed(1)
+    t, hkv, dim = 16, 3, 64
+    qkv = 2 * randn(t, (hq + 2 * hkv) * dim, dtype=dtype)
+    cos, sin = rope_tables(torch.arange(100, 100 + t, device=DEVICE), dim, dtype)
+    w = norm_weight(dim)
+    q, k, v = ops.rope_qk_and_cache(qkv, cos, sin, None, None, None, hq, hkv, w, w)
+    q_ref, k_ref, v_ref = ops.rope_qk_and_cache_ref(qkv, cos, sin, None, None, None, hq, hkv, w, w)
+    assert q.shape == (t, hq, dim)
+    assert_close(q, q_ref)
+    assert_close(k, k_ref)
+    assert torch.equal(v, v_ref)
+    kv = randn(2, 64, hkv, dim, dtype=dtype)
+    kv_ref = kv.clone()
+    slots = torch.randperm(64, device=DEVICE)[:t]
+    ops.rope_qk_and_cache(qkv, cos, sin, kv[0], kv[1], slots, hq, hkv, w, w)
+    ops.rope_qk_and_cache_ref(qkv, cos, sin, kv_ref[0], kv_ref[1], slots, hq, hkv, w, w)
+    assert_close(kv, kv_ref)
+
+
 @pytest.mark.parametrize("dtype,t,act", cases(list(ops.ACTS)))
 @pytest.mark.parametrize("ffn", [100, 1536])
 def test_act_mul(dtype, t, act, ffn):
@@ -326,6 +350,40 @@ def test_fused_decoder_matches_eager(arch, tiny_gguf, monkeypatch, kernels_on_cp
     for ours, ref in zip(f_captured, captured):
         assert_rel(ours, ref, "captured layer output")
     assert f_tokens == tokens
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_drafter_layer_matches_its_reference(dtype, monkeypatch, kernels_on_cpu):
+    """A DFlash drafter layer on the fused kernels and projections (`ready` fuses them) gives the reference's
+    block rows and writes the reference's context K/V (SmolLM2's drafter shape, 2 sequences of a 16-row block)."""
+    from lucebox.engine.models.dense_attention import causal_mask
+    from lucebox.engine.spec.drafter import DFlashDrafter, DrafterConfig, ready
+
+    cfg = DrafterConfig(hidden_size=576, num_layers=1, num_heads=9, num_kv_heads=3, head_dim=64,
+                        intermediate_size=1536, vocab_size=49152, block_size=16, target_layer_ids=[1, 20],
+                        mask_token_id=0, num_target_layers=30)
+    drafter = ready(DFlashDrafter.random(cfg, seed=3, std=0.05), DEVICE, dtype)
+    layer = drafter.layers[0]
+    torch.manual_seed(0)
+    g, b, c = 2, cfg.block_size, 40
+    pos = (torch.tensor([[c], [c - 7]], device=DEVICE) + torch.arange(b, device=DEVICE)).flatten()
+    rope = drafter.rotary(pos, dtype)
+    h, ctx_k, ctx_v = randn(g, b, 576, dtype=dtype), randn(g, c, 3, 64, dtype=dtype), randn(g, c, 3, 64, dtype=dtype)
+    ctx_ok = causal_mask(torch.tensor([[c - 1], [c - 8]], device=DEVICE), torch.arange(c, device=DEVICE))[:, 0]
+    mask = torch.cat([ctx_ok, torch.ones(g, b, dtype=torch.bool, device=DEVICE)], 1)[:, None, None, :]
+    mask = mask.expand(g, 1, b, c + b)
+    x, slots = randn(g * b, 576, dtype=dtype), torch.randperm(64, device=DEVICE)[: g * b]
+    out = {}
+    for fused in (False, True):
+        monkeypatch.setattr(ops, "ENABLED", fused)
+        cache = torch.zeros(2, 64, 3, 64, dtype=dtype, device=DEVICE)
+        with torch.inference_mode():
+            assert layer._fused(h) == fused
+            out[fused] = layer(h, rope, ctx_k, ctx_v, mask), cache
+            layer.write_context(x, *rope, cache[0], cache[1], slots)
+    for ours, ref in zip(out[True], out[False]):  # bf16: the fused kernels round their sums once, not per op
+        diff = (ours.float() - ref.float()).abs().max().item()
+        assert diff <= (1e-5 if dtype == torch.float32 else 2e-2) * ref.float().abs().max().item(), diff
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

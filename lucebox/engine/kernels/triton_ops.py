@@ -103,9 +103,9 @@ def rope_qk_and_cache_ref(
     qkv: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slots: torch.Tensor,
+    k_cache: torch.Tensor | None,
+    v_cache: torch.Tensor | None,
+    slots: torch.Tensor | None,
     n_q_heads: int,
     n_kv_heads: int,
     q_norm_w: torch.Tensor | None = None,
@@ -113,14 +113,15 @@ def rope_qk_and_cache_ref(
     eps: float = 1e-6,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Reference of `rope_qk_and_cache` (same arguments and results)."""
-    hq, hkv, dim = n_q_heads, n_kv_heads, k_cache.shape[-1]
-    qkv = qkv.view(qkv.shape[0], hq + 2 * hkv, dim)
+    hq, hkv = n_q_heads, n_kv_heads
+    qkv = qkv.view(qkv.shape[0], hq + 2 * hkv, qkv.shape[1] // (hq + 2 * hkv))
     q, k, v = qkv[:, :hq], qkv[:, hq: hq + hkv], qkv[:, hq + hkv:]
     if q_norm_w is not None:
         q, k = rms_norm_ref(q, q_norm_w, eps), rms_norm_ref(k, k_norm_w, eps)
     q, k = apply_rotary_ref(q, cos, sin), apply_rotary_ref(k, cos, sin)
-    k_cache.index_copy_(0, slots, k)
-    v_cache.index_copy_(0, slots, v)
+    if k_cache is not None:
+        k_cache.index_copy_(0, slots, k)
+        v_cache.index_copy_(0, slots, v)
     return q, k, v
 
 
@@ -431,9 +432,9 @@ def rope_qk_and_cache(
     qkv: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slots: torch.Tensor,
+    k_cache: torch.Tensor | None,
+    v_cache: torch.Tensor | None,
+    slots: torch.Tensor | None,
     n_q_heads: int,
     n_kv_heads: int,
     q_norm_w: torch.Tensor | None = None,
@@ -444,19 +445,22 @@ def rope_qk_and_cache(
 
     qkv [T, (Hq + 2 Hkv) * D]: the fused QKV projection (q heads, then k, then v). cos/sin [T, D].
     Optionally RMS-norms each q and k head (q_norm_w / k_norm_w [D], both or neither), rotates q and k
-    (rotate-half RoPE), and writes k and v into the caches [slots, Hkv, D] at rows `slots` [T] (int64).
+    (rotate-half RoPE), and writes k and v into the caches [slots, Hkv, D] at rows `slots` [T] (int64);
+    caches and slots None: nothing is written (the DFlash drafter's block rows, which are never cached).
     Returns q [T, Hq, D] and k [T, Hkv, D] (rotated, new tensors) and v [T, Hkv, D] (a view of qkv):
     decode attention reads only q (k/v come from the cache), prefill attention over the new rows uses all three.
     A q8_0 cache (int8 [slots, Hkv, D + 2]) is not written here: paged_attention quantizes and writes it.
     """
     hq, hkv = n_q_heads, n_kv_heads
-    write = k_cache.dtype != torch.int8
-    t, dim = qkv.shape[0], k_cache.shape[-1] - (0 if write else 2)
+    cached = k_cache is not None
+    write = cached and k_cache.dtype != torch.int8
+    t = qkv.shape[0]
+    dim = k_cache.shape[-1] - (0 if write else 2) if cached else qkv.shape[-1] // (hq + 2 * hkv)
     if qkv.dim() != 2 or qkv.shape[1] != (hq + 2 * hkv) * dim:
         raise ValueError(f"rope_qk_and_cache: qkv {tuple(qkv.shape)} is not [T, ({hq} + 2 * {hkv}) * {dim}]")
-    if dim % 2 or cos.shape != (t, dim) or sin.shape != (t, dim) or slots.shape != (t,):
+    if dim % 2 or cos.shape != (t, dim) or sin.shape != (t, dim) or (cached and slots.shape != (t,)):
         raise ValueError(f"rope_qk_and_cache: cos/sin must be [{t}, {dim}] (even head_dim), slots [{t}]")
-    if k_cache.shape[1:] != (hkv, dim + (0 if write else 2)) or v_cache.shape[1:] != k_cache.shape[1:]:
+    if cached and (k_cache.shape[1:] != (hkv, dim + (0 if write else 2)) or v_cache.shape[1:] != k_cache.shape[1:]):
         raise ValueError(f"rope_qk_and_cache: caches must be [slots, {hkv}, {dim}]")
     if (q_norm_w is None) != (k_norm_w is None):
         raise ValueError("rope_qk_and_cache: give both q_norm_w and k_norm_w, or neither")
@@ -467,6 +471,8 @@ def rope_qk_and_cache(
     k = torch.empty(t, hkv, dim, dtype=qkv.dtype, device=qkv.device)
     half = dim // 2
     norm = q_norm_w is not None
+    if not cached:  # the kernel stores nothing there (WRITE off); it loads a slot from any tensor of T+ elements
+        slots, k_cache, v_cache = cos, k, k
     _rope_qk_cache_kernel[(t,)](
         qkv, cos, sin, slots, q_norm_w if norm else cos, k_norm_w if norm else cos, q, k, k_cache, v_cache,
         qkv.stride(0), cos.stride(0), sin.stride(0), q.stride(0), q.stride(1), k.stride(0), k.stride(1),

@@ -99,9 +99,7 @@ class SpecDecoder:
         cos, sin = self.drafter.rotary(positions, x.dtype)
         slots = torch.tensor(self.kv.slots(seq.block_table, start, start + n), device=self.device)
         for i, layer in enumerate(self.drafter.layers):
-            k, v = layer.context_kv(x, cos, sin)
-            self.kv.data[i, 0].index_copy_(0, slots, k)
-            self.kv.data[i, 1].index_copy_(0, slots, v)
+            layer.write_context(x, cos, sin, self.kv.data[i, 0], self.kv.data[i, 1], slots)
         seq.draft_len = start + n
 
     # ----- drafting -----------------------------------------------------------

@@ -18,8 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from lucebox.engine.kernels import triton_ops as ops
 from lucebox.engine.models.config import ModelConfig, RopeScaling
 from lucebox.engine.models.dense_attention import dense_attention
 from lucebox.engine.models.layers import RMSNorm, Rotary, apply_rotary, gated_act, rope_inv_freq
@@ -139,6 +141,36 @@ class DrafterLayer(nn.Module):
         self.mlp.up_proj = nn.Linear(h, cfg.intermediate_size, bias=False)
         self.mlp.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False)
 
+    def fuse_weights(self) -> None:
+        """For inference: q/k/v, and gate/up, as one matrix each (one projection launch instead of three and
+        two); the Linear weights become row views of them, so nothing is stored twice."""
+        a, m = self.self_attn, self.mlp
+        nq, nk = a.q_proj.weight.shape[0], a.k_proj.weight.shape[0]
+        qkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
+        gate_up = torch.cat([m.gate_proj.weight, m.up_proj.weight])
+        a.q_proj.weight, a.k_proj.weight, a.v_proj.weight = (
+            nn.Parameter(w, requires_grad=False) for w in qkv.split([nq, nk, nk]))
+        m.gate_proj.weight, m.up_proj.weight = (nn.Parameter(w, requires_grad=False) for w in gate_up.chunk(2))
+        self.qkv_weight, self.kv_weight, self.gate_up_weight = qkv, qkv[nq:], gate_up
+
+    def _fused(self, x: torch.Tensor) -> bool:
+        """Whether this pass runs on the fused kernels (CUDA, weights fused by `ready`, no gradients: the
+        kernels have no backward) or the reference."""
+        return ops.use_kernels(x) and hasattr(self, "qkv_weight") and not torch.is_grad_enabled()
+
+    def write_context(self, x_ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, slots: torch.Tensor) -> None:
+        """`context_kv` of fused context rows written into the drafter's cache at `slots` [T] (on the fused
+        kernels: one projection and one norm-rotate-store launch)."""
+        if self._fused(x_ctx) and k_cache.dtype != torch.int8:
+            k_norm = self.self_attn.k_norm
+            ops.rope_qk_and_cache(F.linear(x_ctx, self.kv_weight), cos, sin, k_cache, v_cache, slots, 0,
+                                  self.num_kv_heads, k_norm.weight, k_norm.weight, k_norm.eps)
+            return
+        k, v = self.context_kv(x_ctx, cos, sin)
+        k_cache.index_copy_(0, slots, k)
+        v_cache.index_copy_(0, slots, v)
+
     def context_kv(
         self, x_ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -171,11 +203,31 @@ class DrafterLayer(nn.Module):
                 ctx_v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """h [G, B, H] block rows; ctx_k/ctx_v [G, C, Hkv, D]; mask [G, 1, B, C + B]."""
         g, b, _ = h.shape
+        if self._fused(h):
+            return self._forward_fused(h, rope, ctx_k, ctx_v, mask)
         q, k, v = self.block_qkv(h.view(g * b, -1), *rope)
         keys = torch.cat([ctx_k, k.view(g, b, self.num_kv_heads, self.head_dim)], dim=1)
         vals = torch.cat([ctx_v, v.view(g, b, self.num_kv_heads, self.head_dim)], dim=1)
         out = dense_attention(q.view(g, b, self.num_heads, self.head_dim), keys, vals, mask=mask[:, 0])
         return self.after_attention(h, out.reshape(g, b, -1))
+
+    def _forward_fused(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx_k: torch.Tensor,
+                       ctx_v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """`forward` on the target's fused kernels (norms, q/k norm + RoPE, add + norm, SwiGLU) and fused
+        projections: about half the launches of the reference, which a graph-replayed draft pays for one by one."""
+        g, b, _ = h.shape
+        a, hq, hkv, hd = self.self_attn, self.num_heads, self.num_kv_heads, self.head_dim
+        flat = h.view(g * b, -1)
+        x = ops.rms_norm(flat, self.input_layernorm.weight, self.input_layernorm.eps)
+        q, k, v = ops.rope_qk_and_cache(F.linear(x, self.qkv_weight), *rope, None, None, None, hq, hkv,
+                                        a.q_norm.weight, a.k_norm.weight, a.q_norm.eps)
+        keys = torch.cat([ctx_k, k.view(g, b, hkv, hd)], dim=1)
+        vals = torch.cat([ctx_v, v.reshape(g, b, hkv, hd)], dim=1)
+        out = dense_attention(q.view(g, b, hq, hd), keys, vals, mask=mask[:, 0])
+        x, res = ops.add_rms_norm(F.linear(out.reshape(g * b, -1), a.o_proj.weight), flat,
+                                  self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
+        m = F.linear(ops.act_mul(F.linear(x, self.gate_up_weight), "silu"), self.mlp.down_proj.weight)
+        return (res + m).view(g, b, -1)
 
 
 class DFlashDrafter(nn.Module):
@@ -276,10 +328,12 @@ def load_drafter(folder: Path, target: ModelConfig, device: torch.device | str,
 
 def ready(model: DFlashDrafter, device: torch.device | str, dtype: torch.dtype) -> DFlashDrafter:
     """The drafter for inference on `device`: its norms in fp32 (as the target's), every other weight in
-    `dtype`, its rotary table built, no gradients."""
+    `dtype`, its projections fused (`DrafterLayer.fuse_weights`), its rotary table built, no gradients."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.data = p.data.to(device=device, dtype=torch.float32 if name.endswith("norm.weight") else dtype)
+        for layer in model.layers:
+            layer.fuse_weights()
     model.init_rotary(device)
     return model.eval().requires_grad_(False)
 

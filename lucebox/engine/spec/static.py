@@ -254,9 +254,7 @@ class StaticSpec:
         cos, sin = d.rotary(pos.flatten(), x.dtype)
         slots = dslots.flatten()
         for i, layer in enumerate(d.layers):
-            k, v = layer.context_kv(x, cos, sin)
-            kv[i, 0].index_copy_(0, slots, k)
-            kv[i, 1].index_copy_(0, slots, v)
+            layer.write_context(x, cos, sin, kv[i, 0], kv[i, 1], slots)
         if moves is not None:
             src, dst = moves
             tkv[:, :, dst] = tkv[:, :, src]
