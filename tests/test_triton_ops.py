@@ -381,6 +381,10 @@ def test_fused_drafter_layer_matches_its_reference(dtype, monkeypatch, kernels_o
             assert layer._fused(h) == fused
             out[fused] = layer(h, rope, ctx_k, ctx_v, mask), cache
             layer.write_context(x, *rope, cache[0], cache[1], slots)
+    # A drafter whose weights were converted after `ready` (its fused copies stale) takes the reference.
+    moved = ready(DFlashDrafter.random(cfg, seed=3, std=0.05), DEVICE, dtype).to(torch.float64).to(dtype)
+    with torch.inference_mode():
+        assert not moved.layers[0]._fused(h)
     for ours, ref in zip(out[True], out[False]):  # bf16: the fused kernels round their sums once, not per op
         diff = (ours.float() - ref.float()).abs().max().item()
         assert diff <= (1e-5 if dtype == torch.float32 else 2e-2) * ref.float().abs().max().item(), diff

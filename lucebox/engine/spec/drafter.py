@@ -154,16 +154,19 @@ class DrafterLayer(nn.Module):
         self.qkv_weight, self.kv_weight, self.gate_up_weight = qkv, qkv[nq:], gate_up
 
     def _fused(self, x: torch.Tensor) -> bool:
-        """Whether this pass runs on the fused kernels (CUDA, weights fused by `ready`, no gradients: the
-        kernels have no backward) or the reference."""
-        return ops.use_kernels(x) and hasattr(self, "qkv_weight") and not torch.is_grad_enabled()
+        """Whether this pass runs on the fused kernels (CUDA, weights fused by `ready` and still their views: a
+        later `.to()` would leave the fused copies stale; no gradients: the kernels have no backward) or the
+        reference."""
+        return (ops.use_kernels(x) and not torch.is_grad_enabled() and hasattr(self, "qkv_weight")
+                and self.self_attn.q_proj.weight.data_ptr() == self.qkv_weight.data_ptr()
+                and self.mlp.gate_proj.weight.data_ptr() == self.gate_up_weight.data_ptr())
 
     def write_context(self, x_ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, slots: torch.Tensor) -> None:
         """`context_kv` of fused context rows written into the drafter's cache at `slots` [T] (on the fused
         kernels: one projection and one norm-rotate-store launch)."""
         if self._fused(x_ctx) and k_cache.dtype != torch.int8:
-            k_norm = self.self_attn.k_norm
+            k_norm = self.self_attn.k_norm  # no q heads: the q-norm weight the call takes is never read
             ops.rope_qk_and_cache(F.linear(x_ctx, self.kv_weight), cos, sin, k_cache, v_cache, slots, 0,
                                   self.num_kv_heads, k_norm.weight, k_norm.weight, k_norm.eps)
             return
