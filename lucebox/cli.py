@@ -261,6 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--budgets", default="22", help="DDTree budgets (default 22: 23 rows verified)")
     b.add_argument("--batch-sizes", default="1", help="decode batch sizes (default 1)")
     b.add_argument("--steps", type=int, default=8, help="timed steps per mode (default 8)")
+    b.add_argument("--context", type=int, default=32,
+                   help="prompt tokens before the timed steps: the context they attend over (default 32)")
     b.add_argument("--taus", default="6,7,8", help="acceptance lengths to project the speedup at (default 6,7,8)")
     b.add_argument("--json", type=Path, default=Path("bench_spec_cost.json"), help="where to write the results")
     b.set_defaults(func=_lazy("lucebox.bench.spec_cost", "main"))

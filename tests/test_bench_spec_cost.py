@@ -23,14 +23,14 @@ def test_hybrid_shape_chain_and_tree_costs(tmp_path: Path, tokenizer: Path, caps
     out = tmp_path / "cost.json"
     assert main(["bench", "spec-cost", "--model", str(tokenizer), "--shape", "tiny-qwen3.5", "--device", "cpu",
                  "--draft-layers", "2", "--block", "4", "--budgets", "5", "--batch-sizes", "1,2", "--steps", "2",
-                 "--taus", "3,6", "--json", str(out)]) == 0
+                 "--taus", "3,6", "--context", "40", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert not Path(report["model"]).exists(), "the random model goes with its temporary folder"
     assert report["drafter"] == {"path": None, "layers": 2, "block": 4}
     got = {(r["config"], r["batch"]): r for r in report["results"]}
     assert set(got) == {("chain", 1), ("chain", 2), ("ddtree b=5", 1), ("ddtree b=5", 2)}
     for (config, _), r in got.items():
-        assert r["rows_verified"] == (4 if config == "chain" else 6)
+        assert r["rows_verified"] == (4 if config == "chain" else 6) and r["context"] == 40
         assert r["plain_step_ms"] > 0 and r["spec_step_ms"] > 0
         assert r["cost_ratio"] == pytest.approx(r["spec_step_ms"] / r["plain_step_ms"])
         assert r["projected_speedup"]["3"] == pytest.approx(3 / r["cost_ratio"])
@@ -41,7 +41,7 @@ def test_hybrid_shape_chain_and_tree_costs(tmp_path: Path, tokenizer: Path, caps
 
 
 @pytest.mark.parametrize(("flag", "value"), [("--taus", "0.5"), ("--budgets", "x"), ("--batch-sizes", "0"),
-                                             ("--block", "1")])
+                                             ("--block", "1"), ("--context", "0")])
 def test_bad_flags_are_one_line_and_exit_2(tokenizer: Path, capsys, flag: str, value: str) -> None:
     assert main(["bench", "spec-cost", "--model", str(tokenizer), "--device", "cpu", flag, value]) == 2
     err = capsys.readouterr().err.strip().splitlines()

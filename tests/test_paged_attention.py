@@ -56,7 +56,8 @@ class Case:
     """A group of sequences with random shuffled block tables over a random cache."""
 
     def __init__(self, *, starts: list[int], q_len: int, page: int, hq: int, hkv: int, dim: int,
-                 tree: bool = False, seed: int = 0, dtype: torch.dtype = torch.float32, fresh: bool = False):
+                 tree: bool = False, seed: int = 0, dtype: torch.dtype = torch.float32, fresh: bool = False,
+                 bidirectional: bool = False):
         rng = random.Random(seed)
         gen = torch.Generator().manual_seed(seed)
         self.page, self.q_len, self.starts = page, q_len, starts
@@ -75,7 +76,10 @@ class Case:
         self.q = torch.randn(rows, hq, dim, generator=gen).to(DEVICE, dtype)
         self.parents = [random_parents(q_len, rng) if tree else None for _ in starts]
         pos = [s + (np.asarray(depths(p)) if p else np.arange(q_len)) for s, p in zip(starts, self.parents)]
+        if bidirectional:  # a drafter's block: the window is measured from the last context position
+            pos = [np.full(q_len, s - 1) for s in starts]
         self.q_pos = np.concatenate(pos)
+        self.bidirectional = bidirectional
         new = torch.tensor([t[p // page] * page + p % page for s, t in zip(starts, self.tables)
                             for p in range(s, s + q_len)])
         self.k, self.v = self.k_cache[new.to(DEVICE)], self.v_cache[new.to(DEVICE)]  # this step's rows
@@ -84,7 +88,7 @@ class Case:
         self.group = AttnGroup(
             0, len(starts), q_len, max(ctx), torch.from_numpy(pad_tables(self.tables, nb)).to(DEVICE),
             torch.tensor(ctx, device=DEVICE), torch.from_numpy(self.q_pos).to(DEVICE),
-            None if bits is None else torch.from_numpy(bits).to(DEVICE), fresh=fresh)
+            None if bits is None else torch.from_numpy(bits).to(DEVICE), fresh=fresh, bidirectional=bidirectional)
 
     def run(self, window: int | None, kernel: bool) -> torch.Tensor:
         return attend_group(self.q, self.k, self.v, self.k_cache, self.v_cache, self.group, self.page,
@@ -120,7 +124,11 @@ def old_masks(case: Case, window: int | None) -> torch.Tensor:
     k_idx = torch.arange(max_ctx)
     out = []
     for s, parents in zip(case.starts, case.parents):
-        if parents is None:
+        if case.bidirectional:  # the drafter's old mask: the context up to s - 1 (its window), the whole block
+            allowed = k_idx[None, :].expand(n, max_ctx) < s + n
+            if window is not None:
+                allowed = allowed & ((k_idx[None, :] >= s) | (s - 1 - k_idx[None, :] < window))
+        elif parents is None:
             q_pos = torch.arange(s, s + n)[:, None]
             allowed = (k_idx[None, :] <= q_pos) & (k_idx[None, :] < s + n)
             if window is not None:
@@ -155,6 +163,7 @@ REFERENCE_CASES = {
     "batched block": dict(starts=[3, 40, 133], q_len=7, page=16),
     "tree": dict(starts=[0, 21, 90], q_len=12, page=16, tree=True),
     "tree 64 rows": dict(starts=[17, 300], q_len=64, page=256, tree=True),
+    "drafter blocks": dict(starts=[1, 21, 90], q_len=16, page=16, bidirectional=True),
 }
 
 
@@ -211,6 +220,21 @@ def test_paged_attention_writes_the_cache_then_attends():
 
 
 # ----- the kernels against the reference ---------------------------------------------------------
+
+
+@needs_kernel
+@pytest.mark.parametrize("window", [None, 5, 40])
+@pytest.mark.parametrize("splits", [1, 4])
+def test_kernel_bidirectional_blocks_match_the_reference(splits, window):
+    """A DFlash drafter's blocks (every row sees its whole block and the context, the window from the last
+    context position) through the kernel, keys split or not, against the reference."""
+    case = Case(starts=[1, 37, 300], q_len=16, page=16, hq=9, hkv=3, dim=64, seed=splits, bidirectional=True)
+    g = case.group
+    out = triton_attention.prefill_attention(
+        case.q, case.k_cache, case.v_cache, g.block_tables, g.ctx_lens, g.q_pos, None, q_len=16,
+        max_ctx=g.max_ctx, page=16, scale=64 ** -0.5, window=window, splits=splits, bidirectional=True)
+    assert (out - case.run(window, kernel=False)).abs().max().item() < 2e-4
+    check(case, window)  # the entry point every layer calls takes the same kernel
 
 
 def check(case: Case, window: int | None) -> None:
@@ -425,4 +449,7 @@ def test_warm_up_launches_every_variant_and_leaves_the_cache_alone() -> None:
     # 3 tile configs (fp32, rows 2..20: 16, 32 and 64-row tiles) x 2 windows x 5 split counts x (causal,
     # tree bits), and the ragged config x 2 windows x 5 split counts
     assert n == 3 * 2 * 5 * 2 + 2 * 5
+    # a drafter's blocks of 16 rows: one tile config x 2 windows x 5 split counts, nothing else
+    assert triton_attention.warm_up(k, v, num_heads=4, page=16, scale=0.25, max_rows=16, window=8, tree=True,
+                                    context=40, bidirectional=True) == 2 * 5
     assert torch.equal(k, k0) and torch.equal(v, v0)

@@ -352,42 +352,65 @@ def test_fused_decoder_matches_eager(arch, tiny_gguf, monkeypatch, kernels_on_cp
     assert f_tokens == tokens
 
 
+@pytest.mark.parametrize("window", [None, 9])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_drafter_layer_matches_its_reference(dtype, monkeypatch, kernels_on_cpu):
-    """A DFlash drafter layer on the fused kernels and projections (`ready` fuses them) gives the reference's
-    block rows and writes the reference's context K/V (SmolLM2's drafter shape, 2 sequences of a 16-row block)."""
-    from lucebox.engine.models.dense_attention import causal_mask
-    from lucebox.engine.spec.drafter import DFlashDrafter, DrafterConfig, ready
+def test_fused_drafter_layer_matches_its_reference(dtype, window, monkeypatch, kernels_on_cpu):
+    """A DFlash drafter layer over its paged cache, on the reference path and on the fused kernels (`ready` fuses
+    its projections), gives the block rows of the drafter's defining math (DFLASH.md: block rows over the
+    gathered context K/V and their own, the block not causal; written out here with SDPA), leaves the context
+    it reads alone, and writes the reference's context K/V (SmolLM2's drafter shape, 2 sequences of a 16-row
+    block, shuffled block tables; a sliding layer keeps the context within the window of the last position)."""
+    from lucebox.engine.models.dense_attention import causal_mask, dense_attention
+    from lucebox.engine.spec.drafter import DFlashDrafter, DrafterConfig, block_metadata, ready
 
     cfg = DrafterConfig(hidden_size=576, num_layers=1, num_heads=9, num_kv_heads=3, head_dim=64,
                         intermediate_size=1536, vocab_size=49152, block_size=16, target_layer_ids=[1, 20],
-                        mask_token_id=0, num_target_layers=30)
+                        mask_token_id=0, num_target_layers=30, sliding_window=window,
+                        layer_types=["sliding_attention" if window else "full_attention"])
     drafter = ready(DFlashDrafter.random(cfg, seed=3, std=0.05), DEVICE, dtype)
     layer = drafter.layers[0]
     torch.manual_seed(0)
-    g, b, c = 2, cfg.block_size, 40
-    pos = (torch.tensor([[c], [c - 7]], device=DEVICE) + torch.arange(b, device=DEVICE)).flatten()
+    g, b, page = 2, cfg.block_size, 16
+    starts = torch.tensor([40, 33], device=DEVICE)
+    tables = torch.tensor([[5, 2, 7, 1], [3, 8, 4, 6]], device=DEVICE)  # block 0: scratch
+    pos = (starts[:, None] + torch.arange(b, device=DEVICE)).flatten()
     rope = drafter.rotary(pos, dtype)
-    h, ctx_k, ctx_v = randn(g, b, 576, dtype=dtype), randn(g, c, 3, 64, dtype=dtype), randn(g, c, 3, 64, dtype=dtype)
-    ctx_ok = causal_mask(torch.tensor([[c - 1], [c - 8]], device=DEVICE), torch.arange(c, device=DEVICE))[:, 0]
-    mask = torch.cat([ctx_ok, torch.ones(g, b, dtype=torch.bool, device=DEVICE)], 1)[:, None, None, :]
-    mask = mask.expand(g, 1, b, c + b)
+    h = randn(g, b, 576, dtype=dtype)
+    context = randn(2, 9 * page, 3, 64, dtype=dtype)  # K and V of every slot
+    c = int(starts.max())
+    gather = tables[:, torch.arange(c, device=DEVICE) // page] * page + torch.arange(c, device=DEVICE) % page
+    # The definition: block rows see the context before their start (within the window of start - 1) and the
+    # whole block.
+    ctx_ok = causal_mask((starts - 1)[:, None], torch.arange(c, device=DEVICE), window)[:, 0]
+    mask = torch.cat([ctx_ok, torch.ones(g, b, dtype=torch.bool, device=DEVICE)], 1)[:, None, :].expand(g, b, c + b)
+    with torch.inference_mode():
+        q, k, v = layer.block_qkv(h.view(g * b, -1), *rope)
+        keys = torch.cat([context[0][gather], k.view(g, b, 3, 64)], 1)
+        vals = torch.cat([context[1][gather], v.view(g, b, 3, 64)], 1)
+        want = layer.after_attention(h, dense_attention(q.view(g, b, 9, 64), keys, vals, mask=mask).reshape(g, b, -1))
     x, slots = randn(g * b, 576, dtype=dtype), torch.randperm(64, device=DEVICE)[: g * b]
+    meta = block_metadata(tables, starts, b, page, c + b, window)
+    read = torch.zeros(9 * page, dtype=torch.bool, device=DEVICE)  # the context slots
+    for i, start in enumerate(starts.tolist()):
+        read[gather[i, :start]] = True
     out = {}
     for fused in (False, True):
         monkeypatch.setattr(ops, "ENABLED", fused)
-        cache = torch.zeros(2, 64, 3, 64, dtype=dtype, device=DEVICE)
+        cache = context.clone()
         with torch.inference_mode():
             assert layer._fused(h) == fused
-            out[fused] = layer(h, rope, ctx_k, ctx_v, mask), cache
+            out[fused] = layer(h, rope, cache[0], cache[1], meta)
+            assert torch.equal(cache[:, read], context[:, read]), "the block overwrote the context it reads"
             layer.write_context(x, *rope, cache[0], cache[1], slots)
+        out[fused] = out[fused], cache[:, slots]
     # A drafter whose weights were converted after `ready` (its fused copies stale) takes the reference.
     moved = ready(DFlashDrafter.random(cfg, seed=3, std=0.05), DEVICE, dtype).to(torch.float64).to(dtype)
     with torch.inference_mode():
         assert not moved.layers[0]._fused(h)
-    for ours, ref in zip(out[True], out[False]):  # bf16: the fused kernels round their sums once, not per op
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: the fused kernels round their sums once, not per op
+    for ours, ref in [(out[False][0], want), (out[True][0], want), (out[True][1], out[False][1])]:
         diff = (ours.float() - ref.float()).abs().max().item()
-        assert diff <= (1e-5 if dtype == torch.float32 else 2e-2) * ref.float().abs().max().item(), diff
+        assert diff <= tol * ref.float().abs().max().item(), diff
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -48,8 +48,8 @@ def main(args: argparse.Namespace) -> int:
     """With `--shape`, first write that random-weight model (to a temporary folder) and bench it instead."""
     budgets, batches = _ints(args.budgets, "--budgets", 1), _ints(args.batch_sizes, "--batch-sizes", 1)
     taus = _taus(args.taus)
-    if args.draft_layers < 1 or args.block < 2 or args.steps < 1:
-        raise LuceboxError("bench spec-cost: --draft-layers >= 1, --block >= 2 and --steps >= 1")
+    if args.draft_layers < 1 or args.block < 2 or args.steps < 1 or args.context < 1:
+        raise LuceboxError("bench spec-cost: --draft-layers >= 1, --block >= 2, --steps >= 1 and --context >= 1")
     if args.shape is None:
         return _run(args, budgets, batches, taus)
     from lucebox.bench.decode import write_random_model
@@ -93,11 +93,12 @@ def _run(args: argparse.Namespace, budgets: list[int], batches: list[int], taus:
         engine.set_speculation(spec)
         if spec.static is not None:
             spec.static.set_one_launch(one_launch)
-        for b, (plain, spec_s) in sorted(time_steps(engine, tuple(batches), args.steps).items()):
+        for b, (plain, spec_s) in sorted(time_steps(engine, tuple(batches), args.steps, args.context).items()):
             r, n = spec_s / plain, spec.rows_per_step
             projected = [t / r if t <= n else None for t in taus]  # a step commits at most the rows it verifies
             rows.append([label, n, b, 1e3 * plain, 1e3 * spec_s, r, *projected])
-            results.append({"config": label, "rows_verified": n, "batch": b, "plain_step_ms": 1e3 * plain,
+            results.append({"config": label, "rows_verified": n, "batch": b, "context": args.context,
+                            "plain_step_ms": 1e3 * plain,
                             "spec_step_ms": 1e3 * spec_s, "cost_ratio": r,
                             "projected_speedup": {f"{t:g}": x for t, x in zip(taus, projected)}})
         progress.advance()
@@ -109,7 +110,8 @@ def _run(args: argparse.Namespace, budgets: list[int], batches: list[int], taus:
     title = (f"bench spec-cost: {target.name} ({loaded.quant} file, {str(loaded.dtype)[6:]}) + "
              f"{'drafter ' + str(args.draft) if args.draft else 'random drafter'} ({cfg.num_layers} "
              f"layer{'s' if cfg.num_layers != 1 else ''}, block "
-             f"{cfg.block_size}) on {engine.device}{' [CUDA graphs]' if engine.runner.uses_cuda_graphs else ''}; "
+             f"{cfg.block_size}) on {engine.device}{' [CUDA graphs]' if engine.runner.uses_cuda_graphs else ''}, "
+             f"{args.context}-token prompts; "
              f"speedup = tau / r")
     print_table(title, ["config", "rows", "batch", "plain ms", "spec ms", "r", *(f"tau {t:g}" for t in taus)], rows)
     write_json(args.json, {"benchmark": "spec-cost", "model": str(loaded.path), "shape": args.shape,

@@ -15,7 +15,9 @@ bitmask of each row's ancestors within the block. Row i of sequence s sits in
 cache slot index `ctx[s] - q_len + i` and sees key index k when k <= that
 index (index-causal), k is an ancestor of the row or before the block (trees),
 and `q_pos - k_pos < window` on sliding layers (a key's position is its
-index, or for a tree row in the block that row's position).
+index, or for a tree row in the block that row's position). A bidirectional
+group (a DFlash drafter's block) is not causal: every row sees every key index
+< ctx, and its `q_pos` is the position the window is measured from.
 
 On CUDA (with Triton) the kernels in triton_attention.py read K/V straight
 through the block tables: the decode kernel for one-row groups, a flash
@@ -52,6 +54,7 @@ class AttnGroup:
     q_pos: torch.Tensor  # [n_seqs * q_len] position of each row
     tree: torch.Tensor | None = None  # [n_seqs * q_len] int64 ancestor-or-self bits within the block
     fresh: bool = False  # nothing cached before: the rows attend only to each other, causally
+    bidirectional: bool = False  # every row sees every key < ctx_lens (a drafter's block; no tree, not fresh)
     q_lens: torch.Tensor | None = None  # ragged group (Triton only): [n_seqs] rows of each sequence
     q_starts: torch.Tensor | None = None  # ragged group: [n_seqs] first row of each sequence, from row_start
     tiles: torch.Tensor | None = None  # ragged group: its query tiles (triton_attention.ragged_tiles)
@@ -110,7 +113,8 @@ def dense_mask(g: AttnGroup, page: int, window: int | None) -> tuple[torch.Tenso
     kp = torch.arange(c, device=dev)
     start = g.ctx_lens - ql  # [n] slot index of each sequence's first new row
     rel = kp[None, :] - start[:, None]  # [n, c] key index relative to the block
-    allowed = kp[None, None, :] <= (start[:, None] + torch.arange(ql, device=dev))[:, :, None]  # [n, q, c]
+    last = g.ctx_lens[:, None].expand(n, ql) - 1 if g.bidirectional else start[:, None] + torch.arange(ql, device=dev)
+    allowed = kp[None, None, :] <= last[:, :, None]  # [n, q, c]
     in_block = rel >= 0
     if g.tree is not None:
         bit = (g.tree.view(n, ql)[:, :, None] >> rel.clamp(0, MAX_TREE_ROWS - 1)[:, None, :]) & 1
@@ -225,7 +229,7 @@ def _attend_group(
                 max_ctx=g.max_ctx, window=window, ws=merged), merged is not None
         return triton_attention.prefill_attention(
             q[rows], k_cache, v_cache, g.block_tables, g.ctx_lens, g.q_pos, g.tree, q_len=ql, max_ctx=g.max_ctx,
-            page=page, scale=scale, window=window), False
+            page=page, scale=scale, window=window, bidirectional=g.bidirectional), False
     gather, mask = dense_mask(g, page, window)
     qg = q[rows].view(n, ql, q.shape[1], q.shape[2]).transpose(1, 2)
     kg, vg = k_cache[gather], v_cache[gather]

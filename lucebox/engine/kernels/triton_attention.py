@@ -8,7 +8,8 @@ serves all of them):
 - `decode_attention`: one query row per sequence; long contexts are split
   across programs (flash-decoding) and a second small kernel merges the splits;
 - `prefill_attention`: q_len rows per sequence (a prefill chunk after a cached
-  prefix, a draft block or tree), flash attention with an online softmax over
+  prefix, a draft block or tree, a DFlash drafter's block: every row sees every
+  key, `bidirectional`), flash attention with an online softmax over
   BLOCK_M query x BLOCK_N key tiles; key tiles outside the causal / window
   range are skipped, tiles wholly inside it run without masks; when the query
   tiles alone do not fill the GPU (a short turn after a long cached prefix, a
@@ -210,6 +211,7 @@ if triton is not None:
         GROUP: tl.constexpr, QT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, HAS_TREE: tl.constexpr, SLIDING: tl.constexpr,
         SPLIT_KV: tl.constexpr, PRECISION: tl.constexpr, Q8: tl.constexpr, RAGGED: tl.constexpr,
+        BIDIR: tl.constexpr,
     ):
         # A tile is QT query rows x the GROUP query heads of one KV head: m = row * GROUP + head.
         # SPLIT_KV: program (tile, seq * n_splits + split) covers keys [split * split_len, +split_len) and
@@ -240,12 +242,18 @@ if triton is not None:
         d = tl.arange(0, HEAD_DIM)
         ctx = tl.load(CTX + seq)
         start = ctx - q_len  # slot index of the sequence's first new row
-        kidx = start + r  # each row sees key indices <= its own
+        if BIDIR:  # every row sees every key of the sequence, the block's later rows too
+            kidx = ctx - 1 + r * 0
+        else:
+            kidx = start + r  # each row sees key indices <= its own
         q = tl.load(Q + t[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=row_ok[:, None],
                     other=0.0)
         r_lo = tile * QT
         hi = start + tl.minimum(r_lo + QT, q_len)  # keys [0, hi) cover every row of the tile
         full_hi = start + r_lo + 1  # keys < full_hi: causally visible to every row of the tile
+        if BIDIR:
+            hi = ctx
+            full_hi = ctx
         bits = tl.zeros([BLOCK_M], tl.int64)
         if HAS_TREE:
             full_hi = tl.minimum(full_hi, start)
@@ -439,10 +447,12 @@ def prefill_attention(
     q_lens: torch.Tensor | None = None,
     q_starts: torch.Tensor | None = None,
     tiles: torch.Tensor | None = None,
+    bidirectional: bool = False,
 ) -> torch.Tensor:
     """q [n_seqs * q_len, Hq, D]: q_len new rows per sequence, sequence s's rows in cache slot indices
     ctx_lens[s] - q_len ..; caches [slots, Hkv, D]; block_tables [n_seqs, blocks] int64; q_pos [rows]
-    positions; tree [rows] int64 ancestor bits or None (causal); max_ctx >= every ctx_lens. `splits`
+    positions; tree [rows] int64 ancestor bits or None (causal); `bidirectional`: no tree, every row sees
+    every key < ctx_lens[s] (a DFlash drafter's block); max_ctx >= every ctx_lens. `splits`
     (a power of two) overrides `kv_splits`. Returns [rows, Hq, D]. The grid depends only on
     (n_seqs, q_len, max_ctx), so it can be captured in a CUDA graph.
 
@@ -454,6 +464,7 @@ def prefill_attention(
     group = hq // hkv
     ragged = q_lens is not None
     assert not (ragged and tree is not None), "draft trees are never ragged"
+    assert not (bidirectional and (ragged or tree is not None)), "a bidirectional group is one block per sequence"
     assert ragged == (tiles is not None) == (q_starts is not None), "a ragged group needs q_lens, q_starts, tiles"
     n_seqs = 1 if ragged else rows // q_len
     block_m, block_n, warps, stages = (ragged_config(dim, q.dtype, group) if ragged
@@ -478,7 +489,7 @@ def prefill_attention(
         q_len, scale * LOG2E, window or 0, n_splits, per,
         GROUP=group, QT=qt, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=dim, PAGE=page,
         HAS_TREE=tree is not None, SLIDING=window is not None, SPLIT_KV=n_splits > 1,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", Q8=q8, RAGGED=ragged,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", Q8=q8, RAGGED=ragged, BIDIR=bidirectional,
         num_warps=warps, num_stages=stages,
     )
     if n_splits > 1:
@@ -491,19 +502,20 @@ def prefill_attention(
 
 def warm_up(k_cache: torch.Tensor, v_cache: torch.Tensor, *, num_heads: int, page: int, scale: float,
             max_rows: int, window: int | None = None, tree: bool = False, context: int = 8192,
-            dtype: torch.dtype | None = None) -> int:
+            dtype: torch.dtype | None = None, bidirectional: bool = False) -> int:
     """Compile every `prefill_attention` variant a step can reach for this model, at start-up.
 
     A variant is fixed by the tile config (`_prefill_config` of the group's rows: one query length per
     config it can return for 2..max_rows), whether the keys are split (and the split count's power of two),
     the tree bits and the window; runtime ints and metadata pointers are not specialised. Synthetic groups
     read scratch block 0 only. Returns the number of launches. `dtype`: the compute dtype (default the
-    cache's; required for a q8_0 cache)."""
+    cache's; required for a q8_0 cache). `bidirectional`: instead, a DFlash drafter's block attention, blocks
+    of `max_rows` rows."""
     dev, dtype = k_cache.device, dtype or k_cache.dtype
     dim = k_cache.shape[2] - (2 if k_cache.dtype == torch.int8 else 0)
     group = num_heads // k_cache.shape[1]
     by_config: dict[tuple[int, int, int, int], int] = {}
-    for q_len in range(2, max(2, max_rows) + 1):
+    for q_len in range(max_rows if bidirectional else 2, max(2, max_rows) + 1):
         by_config.setdefault(_prefill_config(dim, dtype, q_len * group, group), q_len)
     lens = sorted(by_config.values())
     max_ctx = max_rows + context  # keys behind the longest chunk
@@ -514,14 +526,16 @@ def warm_up(k_cache: torch.Tensor, v_cache: torch.Tensor, *, num_heads: int, pag
         pos = torch.arange(max_ctx - q_len, max_ctx, device=dev)
         ctx = torch.tensor([max_ctx], device=dev)
         bits = [None]
-        if tree and q_len <= 64:
+        if tree and q_len <= 64 and not bidirectional:
             bits.append(torch.full((q_len,), -1, dtype=torch.long, device=dev))
         for w in ([None, window] if window else [None]):
             for t in bits:
                 for splits in (1, 2, 4, 8, 16):  # SPLIT_KV, and _merge_splits per split count
                     prefill_attention(q, k_cache, v_cache, tables, ctx, pos, t, q_len=q_len, max_ctx=max_ctx,
-                                      page=page, scale=scale, window=w, splits=splits)
+                                      page=page, scale=scale, window=w, splits=splits, bidirectional=bidirectional)
                     launches += 1
+    if bidirectional:
+        return launches
     # The ragged group (a step's prefill chunks in one launch): one tile config, each window and split count.
     one = torch.tensor([q_len], device=dev)
     tiles = torch.from_numpy(ragged_tiles([q_len], ragged_config(dim, dtype, group)[0] // group)).to(dev)

@@ -312,7 +312,7 @@ class LLMEngine:
         self.ahead = None
         if self._runs_ahead() and (spec is None or self._lazy_context):  # with a drafter: its plain rows
             self.ahead = Ahead(self.runner, self.scheduler, None if spec is None else self._decodes_plainly)
-        self.scheduler.decode_rows = spec.rows_per_step if spec else 1
+        self.scheduler.decode_rows = spec.reserve_rows if spec else 1
         self.scheduler.on_release = self._release_spec if spec else None
         self.adaptive = None
         self.scheduler.decode_start = None
@@ -510,8 +510,9 @@ class LLMEngine:
         return self.warm_up_seconds
 
     def _compile_attention(self, max_rows: int) -> None:
-        """Every paged prefill-attention variant (tile config, key splits, window, tree) compiled up front: the
-        synthetic requests below cannot reach all of them (the split count depends on the live context)."""
+        """Every paged prefill-attention variant (tile config, key splits, window, tree; a drafter's blocks)
+        compiled up front: the synthetic requests below cannot reach all of them (the split count depends on the
+        live context)."""
         from lucebox.engine.kernels import triton_attention
 
         if not triton_attention.available(self.device):
@@ -524,6 +525,11 @@ class LLMEngine:
                                      page=self.kv.block_size, scale=scale, window=window,
                                      max_rows=min(self.config.max_step_tokens, max_rows), tree=self.spec is not None,
                                      dtype=self.loaded.dtype)
+        if self.spec is not None and triton_attention.supports(self.spec.drafter.cfg.head_dim):  # its blocks
+            dc, dkv = self.spec.drafter.cfg, self.spec.kv.data
+            triton_attention.warm_up(dkv[0, 0], dkv[0, 1], num_heads=dc.num_heads, page=self.kv.block_size,
+                                     scale=dc.head_dim**-0.5, window=dc.sliding_window, max_rows=dc.block_size,
+                                     dtype=self.loaded.dtype, bidirectional=True)
 
     def _tune_quant_kernels(self) -> None:
         """Pick the quantized matmul kernels' launch configs for this model's weight shapes (timed once)."""

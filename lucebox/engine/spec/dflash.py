@@ -21,13 +21,12 @@ from typing import Any
 
 import torch
 
-from lucebox.engine.kernels.attention import MAX_TREE_ROWS, pad_tables, slot_index
+from lucebox.engine.kernels.attention import MAX_TREE_ROWS, pad_tables
 from lucebox.engine.models import DecoderModel
 from lucebox.engine.models.config import ModelConfig
-from lucebox.engine.models.dense_attention import causal_mask
 from lucebox.engine.runtime.kv_cache import KVCache
 from lucebox.engine.runtime.sequence import Chunk, Sequence
-from lucebox.engine.spec.drafter import DFlashDrafter
+from lucebox.engine.spec.drafter import DFlashDrafter, block_metadata
 
 
 @dataclass
@@ -67,7 +66,7 @@ class SpecDecoder:
         # The drafter's context K/V live in the target's blocks: position p of a sequence is in slot
         # `block_table[p // bs] * bs + p % bs` of both tensors. So a block shared from the prefix cache
         # brings the drafter context of its positions with it, and no second block table is kept.
-        # The drafter's K/V stay in the model dtype when the target's cache is q8_0 (it reads them densely).
+        # The drafter's K/V stay in the model dtype when the target's cache is q8_0 (its blocks store them so).
         # `dtype`: the model's compute dtype (needed then; by default the target cache's dtype).
         dtype = dtype or target_kv.data.dtype
         if not dtype.is_floating_point:
@@ -80,8 +79,14 @@ class SpecDecoder:
 
     @property
     def rows_per_step(self) -> int:
-        """Rows a sequence brings to one verification (for KV reservation)."""
+        """Rows a sequence brings to one verification."""
         return self.budget + 1 if self.ddtree else self.chain
+
+    @property
+    def reserve_rows(self) -> int:
+        """KV slots a speculating sequence holds past its computed length: the verification's rows, and the
+        drafter block's, whose K/V are written there (drafter.block_metadata)."""
+        return max(self.rows_per_step, self.block)
 
     # ----- drafter context ----------------------------------------------------
 
@@ -117,29 +122,19 @@ class SpecDecoder:
         h = self.target.embed(block_ids.to(self.device)).to(self.kv.data.dtype)  # [G, B, H]
         pos = (torch.tensor(starts)[:, None] + torch.arange(b)[None]).flatten().to(self.device)
         rope = self.drafter.rotary(pos, h.dtype)
-        max_ctx = max(max(starts), 1)
-        gather = self._gather([c.seq.block_table for c in chunks], max_ctx)
-        last = torch.tensor(starts)[:, None] - 1  # [G, 1]: the context ends at the last committed token
-        masks = {}
-        for sliding in {False, bool(cfg.sliding_window)}:
-            ctx_ok = causal_mask(last, torch.arange(max_ctx), cfg.sliding_window if sliding else None)[:, 0]
-            m = torch.cat([ctx_ok, torch.ones(g, b, dtype=torch.bool)], dim=1)[:, None, None, :]  # block: all
-            masks[sliding] = m.expand(g, 1, b, max_ctx + b).to(self.device)
+        bs, end = self.kv.block_size, max(starts) + b
+        assert all(len(c.seq.block_table) * bs >= c.start + b for c in chunks), \
+            "the drafter block's slots are not reserved (SpecDecoder.reserve_rows)"
+        tables = torch.from_numpy(pad_tables([c.seq.block_table for c in chunks], -(-end // bs))).to(self.device)
+        meta = block_metadata(tables, torch.tensor(starts, device=self.device), b, bs, end, cfg.sliding_window)
         for i, layer in enumerate(self.drafter.layers):
-            ctx_k = self.kv.data[i, 0][gather]
-            ctx_v = self.kv.data[i, 1][gather]
-            h = layer(h, rope, ctx_k, ctx_v, masks[layer.sliding])
+            h = layer(h, rope, self.kv.data[i, 0], self.kv.data[i, 1], meta)
         out = self.drafter.norm(h[:, 1:])
         return self._head(out).float().log_softmax(-1)
 
     def _head(self, h: torch.Tensor) -> torch.Tensor:
         """The target's own LM head (tied or not, dense or quantized: never a dense copy per call)."""
         return self.target.lm_head(h)
-
-    def _gather(self, tables: list[list[int]], ctx: int) -> torch.Tensor:
-        """[G, ctx] cache slots of the drafter context, built on the device from the block tables."""
-        bs = self.kv.block_size
-        return slot_index(torch.from_numpy(pad_tables(tables, -(-ctx // bs))).to(self.device), ctx, bs)
 
     def propose(self, chunks: list[Chunk]) -> list[Chunk]:
         """Verification chunks (last token + draft) for the decoding sequences."""

@@ -7,7 +7,11 @@ its own final norm. It is conditioned on the target through features: the
 outputs of chosen target layers, fused (`hidden_norm(fc(concat))`) into one
 row per context position, projected to K/V by every drafter layer and kept in
 the drafter's own paged KV cache. Block rows attend to all context keys and
-to every block key (not causal); block rows are never cached.
+to every block key (not causal): the paged attention every target layer
+calls, one bidirectional group (`block_metadata`). The block's K/V are written
+to the sequence's slots of the block's positions, which the step's
+verification reserves (`SpecDecoder.reserve_rows`) and the accepted rows'
+context K/V overwrite: they are scratch there, never read as context.
 """
 
 from __future__ import annotations
@@ -22,8 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from lucebox.engine.kernels import triton_ops as ops
+from lucebox.engine.kernels.attention import AttentionMetadata, AttnGroup, paged_attention
 from lucebox.engine.models.config import ModelConfig, RopeScaling
-from lucebox.engine.models.dense_attention import dense_attention
 from lucebox.engine.models.layers import RMSNorm, Rotary, apply_rotary, gated_act, rope_inv_freq
 from lucebox.errors import ModelFileError
 
@@ -202,35 +206,48 @@ class DrafterLayer(nn.Module):
         x = self.post_attention_layernorm(h)
         return h + m.down_proj(gated_act(m.gate_proj(x), m.up_proj(x)))
 
-    def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx_k: torch.Tensor,
-                ctx_v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """h [G, B, H] block rows; ctx_k/ctx_v [G, C, Hkv, D]; mask [G, 1, B, C + B]."""
+    def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """h [G, B, H] block rows over the context in this layer's caches [slots, Hkv, D]; `meta`
+        (`block_metadata`): where the block's own K/V go and what each row sees."""
         g, b, _ = h.shape
         if self._fused(h):
-            return self._forward_fused(h, rope, ctx_k, ctx_v, mask)
+            return self._forward_fused(h, rope, k_cache, v_cache, meta)
         q, k, v = self.block_qkv(h.view(g * b, -1), *rope)
-        keys = torch.cat([ctx_k, k.view(g, b, self.num_kv_heads, self.head_dim)], dim=1)
-        vals = torch.cat([ctx_v, v.view(g, b, self.num_kv_heads, self.head_dim)], dim=1)
-        out = dense_attention(q.view(g, b, self.num_heads, self.head_dim), keys, vals, mask=mask[:, 0])
+        out = paged_attention(q, k, v, k_cache, v_cache, meta, scale=self.head_dim**-0.5, sliding=self.sliding)
         return self.after_attention(h, out.reshape(g, b, -1))
 
-    def _forward_fused(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx_k: torch.Tensor,
-                       ctx_v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """`forward` on the target's fused kernels (norms, q/k norm + RoPE, add + norm, SwiGLU) and fused
-        projections: about half the launches of the reference, which a graph-replayed draft pays for one by one."""
+    def _forward_fused(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], k_cache: torch.Tensor,
+                       v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """`forward` on the target's fused kernels (norms, q/k norm + RoPE + K/V store, the paged attention
+        kernel, add + norm, SwiGLU) and fused projections: a graph-replayed draft pays every launch."""
         g, b, _ = h.shape
-        a, hq, hkv, hd = self.self_attn, self.num_heads, self.num_kv_heads, self.head_dim
+        a, hq, hkv = self.self_attn, self.num_heads, self.num_kv_heads
         flat = h.view(g * b, -1)
         x = ops.rms_norm(flat, self.input_layernorm.weight, self.input_layernorm.eps)
-        q, k, v = ops.rope_qk_and_cache(F.linear(x, self.qkv_weight), *rope, None, None, None, hq, hkv,
-                                        a.q_norm.weight, a.k_norm.weight, a.q_norm.eps)
-        keys = torch.cat([ctx_k, k.view(g, b, hkv, hd)], dim=1)
-        vals = torch.cat([ctx_v, v.reshape(g, b, hkv, hd)], dim=1)
-        out = dense_attention(q.view(g, b, hq, hd), keys, vals, mask=mask[:, 0])
+        q, _, _ = ops.rope_qk_and_cache(F.linear(x, self.qkv_weight), *rope, k_cache, v_cache, meta.slot_mapping,
+                                        hq, hkv, a.q_norm.weight, a.k_norm.weight, a.q_norm.eps)
+        out = paged_attention(q, None, None, k_cache, v_cache, meta, scale=self.head_dim**-0.5,
+                              sliding=self.sliding, write_kv=False)
         x, res = ops.add_rms_norm(F.linear(out.reshape(g * b, -1), a.o_proj.weight), flat,
                                   self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
         m = F.linear(ops.act_mul(F.linear(x, self.gate_up_weight), "silu"), self.mlp.down_proj.weight)
         return (res + m).view(g, b, -1)
+
+
+def block_metadata(tables: torch.Tensor, starts: torch.Tensor, block: int, page: int, max_ctx: int,
+                   window: int | None) -> AttentionMetadata:
+    """The attention of G draft blocks (on the tables' device, no host sync: a CUDA graph holds it): block rows
+    of sequence s at positions starts[s].. write their K/V to those positions' slots and each sees every
+    context key (< starts[s]) and every key of its block. tables [G, blocks] int64 cover
+    starts[s] + block - 1; max_ctx >= every starts[s] + block. Sliding layers keep the context keys within
+    `window` of the last context position (the group's q_pos)."""
+    g = tables.shape[0]
+    pos = starts[:, None] + torch.arange(block, device=tables.device)[None, :]
+    slots = (tables.gather(1, pos // page) * page + pos % page).flatten()
+    last = (starts - 1)[:, None].expand(g, block).flatten()
+    group = AttnGroup(0, g, block, max_ctx, tables, starts + block, last, bidirectional=True)
+    return AttentionMetadata(slots, page, [group], window)
 
 
 class DFlashDrafter(nn.Module):

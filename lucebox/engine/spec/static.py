@@ -40,6 +40,7 @@ from lucebox.engine.runtime.cuda_graphs import MIN_CTX, all_buckets, batch_bucke
 from lucebox.engine.runtime.recurrent_state import StateRows, conv_windows
 from lucebox.engine.runtime.sequence import Chunk
 from lucebox.engine.spec.dflash import SpecDecoder, build_tree, walk
+from lucebox.engine.spec.drafter import block_metadata
 
 log = logging.getLogger(__name__)
 
@@ -174,23 +175,17 @@ class StaticSpec:
     # ----- the three graph bodies ---------------------------------------------
 
     def _draft_fn(self, b: int, c: int) -> Callable[[], Any]:
-        d, bs, B = self.drafter, self.page, self.B
+        d, B = self.drafter, self.B
         kv = self.spec.kv.data
 
         @torch.inference_mode()
         def fn() -> Any:
             start = self.draft_in.view("start", b)[:, 0]
             h = self.target.embed(self.draft_in.view("ids", b)).to(kv.dtype)
-            pos = (start[:, None] + self.kpos[:B][None, :]).flatten()
-            rope = d.rotary(pos, h.dtype)
-            kp = self.kpos[:c]
-            tables = self.draft_in.view("tables", b)
-            gather = tables[:, kp // bs] * bs + kp % bs
-            ctx_ok = kp[None, :] < start[:, None]
-            mask = torch.cat([ctx_ok, torch.ones(b, B, dtype=torch.bool, device=self.device)], 1)[:, None, None, :]
-            mask = mask.expand(b, 1, B, c + B)
+            rope = d.rotary((start[:, None] + self.kpos[:B][None, :]).flatten(), h.dtype)
+            meta = block_metadata(self.draft_in.view("tables", b), start, B, self.page, c, d.cfg.sliding_window)
             for i, layer in enumerate(d.layers):
-                h = layer(h, rope, kv[i, 0][gather], kv[i, 1][gather], mask)
+                h = layer(h, rope, kv[i, 0], kv[i, 1], meta)
             logits = self.spec._head(d.norm(h[:, 1:]))
             if self.K == 1:
                 return logits.argmax(-1)
@@ -354,7 +349,7 @@ class StaticSpec:
         The sequences' computed lengths change only at the end, so a step that raises leaves them as
         they were (the engine then runs the chunks one by one)."""
         spec, n = self.spec, self.N
-        ctx = max(ch.start + n for ch in chunks)
+        ctx = max(ch.start + max(n, self.B) for ch in chunks)  # the verification's rows and the drafter block's
         buckets = self.buckets_for(len(chunks), ctx)
         if buckets is None:
             return None
