@@ -1,9 +1,9 @@
 """Attention without a KV cache: the one mask rule and the one SDPA call for rows that bring their own keys.
 
-The paged path (engine/kernels/attention.py) serves the target over its cache. Everything
-else that attends over keys it holds in hand uses this file: the PFlash scorer's
-dense prefill, the DFlash drafter (block rows over context K/V) and the drafter
-trainer (every anchor's block in one call). One rule decides what a query sees:
+The paged path (engine/kernels/attention.py) serves the target over its cache, and the
+DFlash drafter's blocks over theirs at inference. Everything else that attends over
+keys it holds in hand uses this file: the PFlash scorer's dense prefill and the
+drafter trainer (every anchor's block in one call). One rule decides what a query sees:
 
     query at position q sees the key at position p  iff  p <= q  and (sliding)  q - p < window
 
