@@ -186,16 +186,14 @@ def test_cli_pull_prints_the_path_last(smollm2_path):
 
 def test_cli_generate_matches_transformers_greedy(smollm2_path):
     """The issue's check: the chat-templated prompt, 24 greedy tokens, same tokens as transformers."""
-    transformers = pytest.importorskip("transformers")
-    import torch
+    pytest.importorskip("transformers")
+    from tests import hf_reference
 
     done = run_cli("generate", "--prompt", "What is the capital of France?", "--max-tokens", "24",
                    "--temperature", "0", "--show-ids", env_home=smollm2_path.parent.parent)
     assert done.returncode == 0, done.stderr
     ours = [int(x) for x in done.stderr.strip().splitlines()[-1].strip("[]").split(",")]
-    tok = transformers.AutoTokenizer.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name,
-                                                           dtype=torch.float32)
+    tok, hf = hf_reference.tokenizer(smollm2_path), hf_reference.causal_lm(smollm2_path)  # transformers' conversion
     ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                   add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
     ref = hf.generate(ids, max_new_tokens=24, do_sample=False)[0, ids.shape[1]:].tolist()

@@ -71,7 +71,7 @@ def smollm2(smollm2_path: Path) -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def smollm2_hf(smollm2_path: Path):
-    hf = AutoTokenizer.from_pretrained(smollm2_path.parent, gguf_file=smollm2_path.name)
+    hf = hf_reference.tokenizer(smollm2_path)  # transformers' conversion of the file, kept between runs
     # transformers' GGUF converter knows no `smollm` pre-tokenizer and splits with GPT-2's regex
     # alone. SmolLM2's own tokenizer.json (and llama.cpp) isolate every digit first, which differs
     # on e.g. "  42"; give the reference the published pre-tokenizer.

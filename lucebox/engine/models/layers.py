@@ -266,17 +266,24 @@ def rope_inv_freq(
 
 
 class Rotary(nn.Module):
-    """cos/sin for given positions, computed on the fly (CUDA-graph friendly)."""
+    """cos/sin for given positions, computed on the fly (CUDA-graph friendly) in three launches: the angles, then
+    cos and sin each cast to `dtype` as they are stored (with an attention factor, two more). A step pays this once
+    per table and a speculative one three times, so every launch shows."""
 
     def __init__(self, inv_freq: torch.Tensor, attn_factor: float = 1.0) -> None:
         super().__init__()
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # The frequencies twice over (rotate-half pairs dim i with i + d/2): no concatenation per call.
+        self.register_buffer("freq", torch.cat((inv_freq, inv_freq)).float(), persistent=False)
         self.attn_factor = attn_factor
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return (emb.cos() * self.attn_factor).to(dtype), (emb.sin() * self.attn_factor).to(dtype)
+        angles = positions[:, None] * self.freq.float()[None, :]  # fp32 (the float() is free; a cast module's isn't)
+        if self.attn_factor != 1.0:
+            return (angles.cos() * self.attn_factor).to(dtype), (angles.sin() * self.attn_factor).to(dtype)
+        out = torch.empty(2, *angles.shape, dtype=dtype, device=angles.device)
+        torch.cos(angles, out=out[0])  # computed in fp32, rounded once on the store
+        torch.sin(angles, out=out[1])
+        return out[0], out[1]
 
 
 def down_of_gate_up(down: Linear, gate_up: torch.Tensor, act: str) -> torch.Tensor | None:

@@ -236,15 +236,18 @@ class DrafterLayer(nn.Module):
 
 
 def block_metadata(tables: torch.Tensor, starts: torch.Tensor, block: int, page: int, max_ctx: int,
-                   window: int | None) -> AttentionMetadata:
+                   window: int | None, slots: torch.Tensor | None = None) -> AttentionMetadata:
     """The attention of G draft blocks (on the tables' device, no host sync: a CUDA graph holds it): block rows
     of sequence s at positions starts[s].. write their K/V to those positions' slots and each sees every
     context key (< starts[s]) and every key of its block. tables [G, blocks] int64 cover
     starts[s] + block - 1; max_ctx >= every starts[s] + block. Sliding layers keep the context keys within
-    `window` of the last context position (the group's q_pos)."""
+    `window` of the last context position (the group's q_pos). `slots` [G, block]: those slots, where the caller
+    has them already (a graph's every kernel counts)."""
     g = tables.shape[0]
-    pos = starts[:, None] + torch.arange(block, device=tables.device)[None, :]
-    slots = (tables.gather(1, pos // page) * page + pos % page).flatten()
+    if slots is None:
+        pos = starts[:, None] + torch.arange(block, device=tables.device)[None, :]
+        slots = tables.gather(1, pos // page) * page + pos % page
+    slots = slots.flatten()
     last = (starts - 1)[:, None].expand(g, block).flatten()
     group = AttnGroup(0, g, block, max_ctx, tables, starts + block, last, bidirectional=True)
     return AttentionMetadata(slots, page, [group], window)
@@ -275,8 +278,9 @@ class DFlashDrafter(nn.Module):
         self.rotary = Rotary(inv.to(device), factor)
 
     def fuse(self, features: list[torch.Tensor]) -> torch.Tensor:
-        """One context row per position from the target layers' outputs (concat in the listed order)."""
-        return self.hidden_norm(self.fc(torch.cat(features, dim=-1)))
+        """One context row per position from the target layers' outputs (concat in the listed order; one tensor:
+        already concatenated)."""
+        return self.hidden_norm(self.fc(features[0] if len(features) == 1 else torch.cat(features, dim=-1)))
 
     @staticmethod
     def random(cfg: DrafterConfig, seed: int = 0, std: float = 0.02) -> DFlashDrafter:

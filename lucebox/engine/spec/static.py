@@ -175,24 +175,33 @@ class StaticSpec:
     # ----- the three graph bodies ---------------------------------------------
 
     def _draft_fn(self, b: int, c: int) -> Callable[[], Any]:
-        d, B = self.drafter, self.B
-        kv = self.spec.kv.data
-
         @torch.inference_mode()
         def fn() -> Any:
-            start = self.draft_in.view("start", b)[:, 0]
-            h = self.target.embed(self.draft_in.view("ids", b)).to(kv.dtype)
-            rope = d.rotary((start[:, None] + self.kpos[:B][None, :]).flatten(), h.dtype)
-            meta = block_metadata(self.draft_in.view("tables", b), start, B, self.page, c, d.cfg.sliding_window)
-            for i, layer in enumerate(d.layers):
-                h = layer(h, rope, kv[i, 0], kv[i, 1], meta)
-            logits = self.spec._head(d.norm(h[:, 1:]))
-            if self.K == 1:
-                return logits.argmax(-1)
-            top = logits.float().log_softmax(-1).topk(self.K, dim=-1)
-            return top.values, top.indices
+            pos = self.draft_in.view("start", b) + self.kpos[: self.B][None, :]
+            return self._draft(b, c, self._slots(b, pos), self.drafter.rotary(pos.flatten(), self.spec.kv.data.dtype))
 
         return fn
+
+    def _slots(self, b: int, pos: torch.Tensor) -> torch.Tensor:
+        """Cache slots [b, k] of positions [b, k] through the draft inputs' block tables (one table for the
+        target and the drafter: their caches share the block layout)."""
+        return self.draft_in.view("tables", b).gather(1, pos // self.page) * self.page + pos % self.page
+
+    def _draft(self, b: int, c: int, slots: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> Any:
+        """The drafter's pass over [b, B] block rows at `slots` with `rope` (their cos/sin): the argmax of each
+        drafted row, or the top-K (log-probabilities, tokens) for a tree."""
+        d, B = self.drafter, self.B
+        kv = self.spec.kv.data
+        start = self.draft_in.view("start", b)[:, 0]
+        h = self.target.embed(self.draft_in.view("ids", b)).to(kv.dtype)
+        meta = block_metadata(self.draft_in.view("tables", b), start, B, self.page, c, d.cfg.sliding_window, slots)
+        for i, layer in enumerate(d.layers):
+            h = layer(h, rope, kv[i, 0], kv[i, 1], meta)
+        logits = self.spec._head(d.norm(h[:, 1:]))
+        if self.K == 1:
+            return logits.argmax(-1)
+        top = logits.float().log_softmax(-1).topk(self.K, dim=-1)
+        return top.values, top.indices
 
     def _verify_fn(self, b: int, c: int) -> Callable[[], Any]:
         @torch.inference_mode()
@@ -238,15 +247,16 @@ class StaticSpec:
 
     def _extend(self, b: int, feats: list[torch.Tensor], rows: torch.Tensor, pos: torch.Tensor, dslots: torch.Tensor,
                 moves: tuple[torch.Tensor, torch.Tensor] | None, sslot: torch.Tensor | None,
-                acc: torch.Tensor | None) -> None:
+                acc: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """The accepted rows' bookkeeping: drafter context K/V of `rows` [b, n] (verification rows, the path's
-        last repeated) at `pos`/`dslots`, the target KV `moves` (src -> dst slots; a tree's compaction) and
-        a hybrid's state after row `acc` of each sequence written to its slot `sslot`."""
+        last repeated) at `pos`/`dslots` (`rope`: the drafter's cos/sin of `pos`, where the caller has them),
+        the target KV `moves` (src -> dst slots; a tree's compaction) and a hybrid's state after row `acc` of
+        each sequence written to its slot `sslot`."""
         n, d = self.N, self.drafter
         kv, tkv = self.spec.kv.data, self.spec.target_kv.data
         rows = (rows + self.kpos[:b][:, None] * n).flatten()
-        x = d.fuse([f[rows].to(kv.dtype) for f in feats])
-        cos, sin = d.rotary(pos.flatten(), x.dtype)
+        x = d.fuse([torch.cat(feats, -1)[rows].to(kv.dtype)])  # one gather, not one per feature
+        cos, sin = rope if rope is not None else d.rotary(pos.flatten(), x.dtype)
         slots = dslots.flatten()
         for i, layer in enumerate(d.layers):
             layer.write_context(x, cos, sin, kv[i, 0], kv[i, 1], slots)
@@ -262,20 +272,26 @@ class StaticSpec:
         """A greedy chain step in one launch: draft, verify, the accepted length on the device (the drafts up to
         the first that differs from the target's argmax) and the accepted rows' bookkeeping. Returns [b, n + 1]:
         the target's argmax at every row, then the rows on the accepted path (the host reads it once)."""
-        draft, n, page = self._draft_fn(b, c), self.N, self.page
+        n, dtype = self.N, self.spec.kv.data.dtype
 
         @torch.inference_mode()
         def fn() -> Any:
+            # The block's positions, slots (padding rows: scratch block 0) and the drafter's cos/sin, once: the
+            # verification's n rows and the accepted rows' are the block's first n.
             d = self.draft_in
-            ids = torch.cat([d.view("ids", b)[:, :1], draft()[:, : n - 1]], 1)  # [b, n]: the last token + drafts
-            pos = d.view("start", b) + self.kpos[:n][None, :]
-            slots = d.view("tables", b).gather(1, pos // page) * page + pos % page  # padding rows: scratch block 0
+            bpos = d.view("start", b) + self.kpos[: self.B][None, :]
+            bslots = self._slots(b, bpos)
+            cos, sin = self.drafter.rotary(bpos.flatten(), dtype)
+            drafts = self._draft(b, c, bslots, (cos, sin))
+            ids = torch.cat([d.view("ids", b)[:, :1], drafts[:, : n - 1]], 1)  # [b, n]: the last token + drafts
+            pos, slots = bpos[:, :n], bslots[:, :n]
             _, best, feats = self._verify(b, c, ids, pos, slots, None)
             best = best.view(b, n)
             agreed = (ids[:, 1:] == best[:, :-1]).long().cumprod(1).sum(1)  # drafts accepted
             rows = torch.minimum(self.kpos[:n][None, :], agreed[:, None])
             sslot = self.verify_in.view("sslot", b)[:, 0] if self.states is not None else None
-            self._extend(b, feats, rows, pos, slots, None, sslot, agreed)  # a chain's path is in place: no moves
+            rope = tuple(t.view(b, self.B, -1)[:, :n].reshape(b * n, -1) for t in (cos, sin))  # (views if n == B)
+            self._extend(b, feats, rows, pos, slots, None, sslot, agreed, rope)  # a chain's path is in place: no moves
             return torch.cat([best, agreed[:, None] + 1], 1)
 
         return fn
@@ -285,7 +301,7 @@ class StaticSpec:
         (kernels/triton_tree.py), verified, walked (each node's token against its parent's argmax) and
         compacted. Returns [b, n + 1] as `_chain_fn` does: the target's argmax along the accepted path, then
         its length."""
-        draft, n, page = self._draft_fn(b, c), self.N, self.page
+        draft, n = self._draft_fn(b, c), self.N
         rows = self.kpos[:n]
         trees = triton_tree.draft_trees if triton_tree.available(self.device) else _host_trees
 
@@ -297,7 +313,7 @@ class StaticSpec:
             ids = torch.cat([d.view("ids", b)[:, :1], nodes], 1)
             start = d.view("start", b)
             spos = start + rows[None, :]  # row r's K/V goes to position start + r's slot, then compaction
-            slots = d.view("tables", b).gather(1, spos // page) * page + spos % page
+            slots = self._slots(b, spos)
             _, best, feats = self._verify(b, c, ids, start + depth, slots, bits.flatten())
             best = best.view(b, n)
             wrong = ((ids != best.gather(1, parent)) & (rows > 0)).long() << rows  # a node the target would not pick
