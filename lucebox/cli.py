@@ -243,6 +243,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--prompts", type=int, default=10, help="prompts per suite")
     b.add_argument("--max-new", type=int, default=256, help="max new tokens per prompt")
     b.add_argument("--budgets", default="8,16,32", help="DDTree budgets to run")
+    b.add_argument("--tree-chain", default="auto",
+                   help="DDTree chain depths to compare, comma-separated: auto (as the server: twice the tokens "
+                        "a step so far) or N (the top-1 chain to depth N for every step; block - 1: the whole "
+                        "chain, as DFLASH.md's C++ server)")
     b.add_argument("--spec-adaptive", action=argparse.BooleanOptionalAction, default=None,
                    help="the adaptive rule, as serving runs it (default on): a prompt whose drafts do not pay "
                         "decodes plainly; off: every step drafts")

@@ -18,14 +18,15 @@ DRAFTER = Path(__file__).resolve().parents[1] / "model_cards" / "drafters" / "sm
 
 
 def test_bench_spec_greedy_equals_plain_in_every_configuration(smollm2_path: Path, tmp_path: Path, capsys) -> None:
+    """Every configuration, a tree with the server's chain depth and one with the whole chain among them."""
     out = tmp_path / "spec.json"
     assert main(["bench", "spec", "--model", str(smollm2_path), "--device", "cpu", "--draft", str(DRAFTER),
-                 "--suite", "gsm,mtbench", "--prompts", "1", "--max-new", "12", "--budgets", "4",
-                 "--json", str(out)]) == 0
+                 "--suite", "gsm", "--prompts", "1", "--max-new", "12", "--budgets", "20",
+                 "--tree-chain", "auto,15", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     got = {(r["suite"], r["config"], r["temperature"]): r for r in report["results"]}
-    configs = ("plain", "chain", "ddtree b=4")
-    assert set(got) == {(s, c, t) for s in ("gsm", "mtbench") for c in configs for t in (0, 1)}
+    hot = ("plain", "chain", "ddtree b=20 chain=15")  # temperature 1: plain, chain and the last tree
+    assert set(got) == {("gsm", c, t) for c in hot + ("ddtree b=20",) for t in (0, 1) if t == 0 or c in hot}
     for (suite, config, temp), r in got.items():
         assert r["tokens"] > 0 and r["tok_s"] > 0
         if temp == 0:
@@ -33,7 +34,10 @@ def test_bench_spec_greedy_equals_plain_in_every_configuration(smollm2_path: Pat
         assert r["tau"] == 1.0 if config == "plain" else r["tau"] >= 1.0
     assert got["gsm", "plain", 0]["speedup"] == 1.0
     table = capsys.readouterr().out
-    assert "ddtree b=4" in table and "T=1" in table
+    assert "ddtree b=20 chain=15" in table and "T=1" in table
+    assert main(["bench", "spec", "--model", str(smollm2_path), "--device", "cpu", "--draft", str(DRAFTER),
+                 "--tree-chain", "deep"]) == 2
+    assert "--tree-chain: 'deep' is neither auto nor a depth" in capsys.readouterr().err
 
 
 def test_agreement_counts_tokens_up_to_the_first_difference() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import itertools
 import os
 from pathlib import Path
 
@@ -172,15 +173,63 @@ def test_a_loaded_drafter_keeps_its_weights_in_fused_projections_without_copies(
         assert mlp.up_proj.weight.untyped_storage().data_ptr() == layer.gate_up_weight.untyped_storage().data_ptr()
 
 
-def test_build_tree_seeds_the_chain_and_grows_best_first():
-    # 3 depths, top-3 each; cumulative log-probs decide the order after the chain.
+def test_build_tree_seeds_the_chain_then_grows_best_first():
+    # 3 depths, top-3 each
     lp = [[-0.1, -1.0, -3.0], [-0.2, -0.5, -4.0], [-0.3, -2.0, -5.0]]
     ids = [[10, 11, 12], [20, 21, 22], [30, 31, 32]]
+    # the whole chain first (the default), then by cumulative log-prob: sibling 21 of 20 (-0.6), its child 30
+    # (-0.9), 11 (-1.0)
     tokens, parents = build_tree(lp, ids, budget=6)
     assert tokens[:3] == [10, 20, 30] and parents[:3] == [0, 1, 2]  # the top-1 chain under the root (row 0)
-    # Next best: sibling 21 of 20 (cum -0.1-0.5 = -0.6), then its child 30 (-0.9), then 11 (-1.0).
     assert tokens[3:] == [21, 30, 11] and parents[3:] == [1, 4, 0]
-    assert all(p < i + 1 for i, p in enumerate(parents))  # parents precede children
+    assert build_tree(lp, ids, 6, seed=3) == (tokens, parents)
+    # best-first from the root: 10 (-0.1), 20 (-0.3), then the tie at -0.6 in push order: sibling 21 before 20's
+    # child 30; 30 under 21 (-0.9) before 11 (-1.0). The chain's end is the fifth node, not the third.
+    assert build_tree(lp, ids, 6, seed=0) == ([10, 20, 21, 30, 30, 11], [0, 1, 1, 2, 3, 0])
+    assert build_tree(lp, ids, 3, seed=0) == ([10, 20, 21], [0, 1, 1])  # a shallow sibling beats the chain's end
+    assert build_tree(lp, ids, 3, seed=1) == ([10, 20, 21], [0, 1, 1])
+    assert build_tree(lp, ids, 3, seed=2) == ([10, 20, 21], [0, 1, 1])
+    assert build_tree(lp, ids, 2, seed=3) == ([10, 20], [0, 1])  # a chain longer than the tree fills it
+
+
+def test_seed_depth_follows_the_acceptance_so_far(tiny_gguf, tmp_path):
+    """A sequence's tree keeps the chain twice as deep as its steps commit: the engine's figure until the
+    sequence has four steps of its own; the whole chain before any step."""
+    from lucebox.engine.runtime.sequence import Sequence
+
+    target = tiny_gguf("llama", "F32")
+    eng = engine(target, draft=str(random_drafter(target, tmp_path / "d", layers=1, block=8)), ddtree=True,
+                 ddtree_budget=10)
+    spec, seq = eng.spec, Sequence([1, 2, 3], SamplingParams())
+    assert spec.seed_depth(seq) == 7  # no step yet: the whole chain (block 8: 7 drafted tokens)
+    spec.stats.steps, spec.stats.committed = 10, 15  # the engine: 1.5 tokens a step
+    assert spec.seed_depth(seq) == 3
+    seq.spec_steps, seq.spec_committed = 3, 30  # too few steps of its own
+    assert spec.seed_depth(seq) == 3
+    seq.spec_steps, seq.spec_committed = 4, 9  # 2.25 a step: 4.5 -> 5
+    assert spec.seed_depth(seq) == 5
+    seq.spec_steps, seq.spec_committed = 4, 32
+    assert spec.seed_depth(seq) == 7  # at most the block
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_build_tree_keeps_the_most_probable_nodes(seed):
+    """Unseeded, the tree is the `budget` paths of the largest cumulative log-prob among all K^1 + ... + K^D:
+    what a drafter's own probabilities say accepts the most tokens; parents precede children."""
+    gen = torch.Generator().manual_seed(seed)
+    D, K, budget = 4, 3, 1 + seed % 17
+    lp = torch.randn(D, K, generator=gen).mul(1.5).log_softmax(-1).sort(-1, descending=True).values.tolist()
+    ids = [[100 * d + r for r in range(K)] for d in range(D)]
+    tokens, parents = build_tree(lp, ids, budget, seed=0)
+    assert len(tokens) == budget and all(p <= i for i, p in enumerate(parents))
+    every = [sum(lp[d][r] for d, r in enumerate(ranks)) for n in range(1, D + 1)
+             for ranks in itertools.product(range(K), repeat=n)]
+    cum, depth = [0.0], [0]  # row 0: the root
+    for t, p in zip(tokens, parents):
+        depth.append(depth[p] + 1)
+        assert t // 100 == depth[-1] - 1  # the node's token is one of its depth's
+        cum.append(cum[p] + lp[t // 100][t % 100])
+    assert sorted(cum[1:], reverse=True) == pytest.approx(sorted(every, reverse=True)[:budget])
 
 
 def _draft_top(b: int, D: int, K: int, seed: int, ties: str = "") -> tuple[torch.Tensor, torch.Tensor]:
@@ -209,7 +258,7 @@ def _check_tree(nodes, parent, depth, bits, n: int) -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
                     reason="needs CUDA, or TRITON_INTERPRET=1 on the CPU")
-@pytest.mark.parametrize("shape", [(2, 15, 8, 22), (3, 7, 8, 9), (1, 4, 3, 30), (2, 15, 8, 63)])
+@pytest.mark.parametrize("shape", [(4, 15, 8, 22), (3, 7, 8, 9), (1, 4, 3, 30), (2, 15, 8, 63), (3, 7, 8, 5)])
 def test_tree_kernel_is_build_tree(shape, monkeypatch):
     """The Triton tree kernel runs build_tree itself: the same nodes in the same order, ties included."""
     from lucebox.engine.kernels import triton_tree
@@ -221,10 +270,14 @@ def test_tree_kernel_is_build_tree(shape, monkeypatch):
     b, D, K, budget = shape
     for ties in ("", "some", "peaked"):
         lp, tok = _draft_top(b, D, K, budget, ties=ties)
-        nodes, parent, depth, bits = (t.cpu() for t in triton_tree.draft_trees(lp.to(device), tok.to(device),
-                                                                              budget + 1))
+        # every chain depth in turn, the whole chain and none among them; a column of a wider buffer, as the
+        # graphs pass it
+        seeds = torch.zeros(b, 3, dtype=torch.long)
+        seeds[:, 0] = (torch.arange(b) * 5 + len(ties)) % (D + 1)
+        nodes, parent, depth, bits = (t.cpu() for t in triton_tree.draft_trees(
+            lp.to(device), tok.to(device), budget + 1, seeds.to(device)[:, 0]))
         for i in range(b):
-            want_tokens, want_parents = build_tree(lp[i].tolist(), tok[i].tolist(), budget)
+            want_tokens, want_parents = build_tree(lp[i].tolist(), tok[i].tolist(), budget, int(seeds[i, 0]))
             assert nodes[i].tolist() == want_tokens and parent[i, 1:].tolist() == want_parents
             _check_tree(nodes[i], parent[i], depth[i], bits[i], budget + 1)
 

@@ -213,7 +213,11 @@ class WalkSpy:
         self.walks += 1
         self.accepted += len(path) - 1
         self.rejected += any(parents[i] == path[-1] for i in range(n))  # the last node had children: none matched
-        self.off_chain += any(node != depth for depth, node in enumerate(path))
+        # a parent's top-1 child is its first (siblings come in rank order): any other child is off the chain
+        first = {}
+        for i, p in enumerate(parents):
+            first.setdefault(p, i)
+        self.off_chain += any(first[parents[node]] != node for node in path[1:])
         return path, tokens
 
 

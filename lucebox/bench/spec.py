@@ -73,6 +73,12 @@ def agreement(outputs: list[list[int]], plain: list[list[int]]) -> float:
     return same / max(1, sum(len(ref) for ref in plain))
 
 
+def _depth(text: str) -> int:
+    if not text.isdigit():
+        raise LuceboxError(f"--tree-chain: {text!r} is neither auto nor a depth")
+    return int(text)
+
+
 def main(args: argparse.Namespace) -> int:
     from lucebox.chat.prompt import PromptBuilder
     from lucebox.cli import engine_from_args
@@ -80,6 +86,7 @@ def main(args: argparse.Namespace) -> int:
     from lucebox.engine.spec.drafter import load_drafter
     from lucebox.model_cards import card_dirs, find_card
 
+    chains = [None if c == "auto" else _depth(c) for c in args.tree_chain.split(",") if c]
     engine = engine_from_args(args, max_num_seqs=1)
     loaded = engine.loaded
     draft = args.draft
@@ -95,9 +102,10 @@ def main(args: argparse.Namespace) -> int:
     budgets = [int(b) for b in args.budgets.split(",") if b]
     chain = SpecDecoder(drafter, loaded.model, engine.kv, dtype=loaded.dtype)
     configs: list[tuple[str, Any]] = [("plain", None), ("chain", chain)]
-    configs += [(f"ddtree b={b}", SpecDecoder(drafter, loaded.model, engine.kv, ddtree=True, budget=b,
-                                              dtype=loaded.dtype))
-                for b in budgets]
+    configs += [(f"ddtree b={b}" + ("" if c is None else f" chain={c}"),
+                 SpecDecoder(drafter, loaded.model, engine.kv, ddtree=True, budget=b, dtype=loaded.dtype,
+                             tree_chain=c))
+                for b in budgets for c in chains]
     builder = PromptBuilder.for_model(loaded)
     suites = [s for s in args.suite.split(",") if s]
     for s in suites:

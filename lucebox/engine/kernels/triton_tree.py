@@ -1,14 +1,15 @@
 """DDTree draft trees built on the device: `build_tree` for a batch, with no host sync (the one-launch step).
 
-`draft_trees(lp, tok, n)` takes the drafter's top-K log-probs (descending) and ids at each of D depths,
-[b, D, K], and returns each sequence's tree of n rows (the root, then n - 1 nodes, parents first): the
-nodes' tokens [b, n - 1], every row's parent row and depth [b, n] (the root's: 0) and its ancestor-or-self
-bits [b, n] (bit a of row r: row a is r or an ancestor; the attention's `tree_bits`).
+`draft_trees(lp, tok, n, seed)` takes the drafter's top-K log-probs (descending) and ids at each of D depths,
+[b, D, K], and each sequence's chain depth [b] (build_tree's `seed`; a strided view is fine), and returns each
+sequence's tree of n rows (the root, then n - 1 nodes, parents first): the nodes' tokens [b, n - 1], every
+row's parent row and depth [b, n] (the root's: 0) and its ancestor-or-self bits [b, n] (bit a of row r: row a
+is r or an ancestor; the attention's `tree_bits`).
 
-One Triton program per sequence runs spec/dflash.py's `build_tree` itself: the top-1 chain, then best-first
-growth by cumulative log-probability (float64, as the host sums), with the heap as a frontier in registers (a
-pop takes the live candidate of the largest value, ties to the first pushed, as heapq's counter does; -inf
-candidates too, as the host orders them). Same nodes, same order, as the host's.
+One Triton program per sequence runs spec/dflash.py's `build_tree` itself: the top-1 chain to the sequence's
+depth, then best-first growth by cumulative log-probability (float64, as the host sums), with the heap as a
+frontier in registers (a pop takes the live candidate of the largest value, ties to the first pushed, as
+heapq's counter does; -inf candidates too, as the host orders them). Same nodes, same order, as the host's.
 On the CPU the one-launch step calls `build_tree` itself (spec/static.py): its eager step may read the host.
 
 Tests: tests/test_spec.py (the kernel against build_tree, on CUDA or the CPU under TRITON_INTERPRET=1).
@@ -32,20 +33,17 @@ def available(device: torch.device) -> bool:
     return triton is not None and (device.type == "cuda" or (ON_CPU and device.type == "cpu"))
 
 
-def draft_trees(lp: torch.Tensor, tok: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
-    """(nodes [b, n - 1], parent [b, n], depth [b, n], bits [b, n]) int64; n <= 64, n - 1 >= D."""
+def draft_trees(lp: torch.Tensor, tok: torch.Tensor, n: int, seed: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(nodes [b, n - 1], parent [b, n], depth [b, n], bits [b, n]) int64; 2 <= n <= 64, 0 <= seed <= D (a chain
+    longer than the tree fills it, as build_tree's does)."""
     assert available(lp.device), "the tree kernel runs on CUDA (or the CPU under TRITON_INTERPRET=1)"
-    return _kernel_trees(lp, tok, n)
-
-
-def _kernel_trees(lp: torch.Tensor, tok: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
     b, D, K = lp.shape
-    assert n <= 64 and n - 1 >= D, "a tree of at most 64 rows that holds the chain"
+    assert 2 <= n <= 64, "a tree of 1 to 63 nodes under its root"
     lp, tok = lp.double().contiguous(), tok.contiguous()  # float64: build_tree's sums, bit for bit
     nodes = torch.empty(b, n - 1, dtype=torch.long, device=lp.device)
     parent, depth, bits = (torch.empty(b, n, dtype=torch.long, device=lp.device) for _ in range(3))
     rows = triton.next_power_of_2(n)
-    _tree_kernel[(b,)](lp, tok, nodes, parent, depth, bits, D=D, K=K, N=n, ROWS=rows,
+    _tree_kernel[(b,)](lp, tok, seed, seed.stride(0), nodes, parent, depth, bits, D=D, K=K, N=n, ROWS=rows,
                        FRONT=triton.next_power_of_2(2 * n), num_warps=1)
     return nodes, parent, depth, bits
 
@@ -58,8 +56,8 @@ if triton is not None:
         return tl.sum(tl.where(idx == at, values, 0), 0)
 
     @triton.jit
-    def _tree_kernel(LP, TOK, NODES, PARENT, DEPTH, BITS, D: tl.constexpr, K: tl.constexpr, N: tl.constexpr,
-                     ROWS: tl.constexpr, FRONT: tl.constexpr):
+    def _tree_kernel(LP, TOK, SEED, stride_seed, NODES, PARENT, DEPTH, BITS, D: tl.constexpr, K: tl.constexpr,
+                     N: tl.constexpr, ROWS: tl.constexpr, FRONT: tl.constexpr):
         # One sequence: rows (root = 0) and a frontier of candidates (depth, rank, parent row, value, live); a
         # pop takes the lowest live slot (the first pushed) of the largest value, -inf included: heapq's pop.
         s = tl.program_id(0)
@@ -77,27 +75,42 @@ if triton is not None:
         f_rank = tl.zeros([FRONT], tl.int32)
         f_par = tl.zeros([FRONT], tl.int32)
         f_live = tl.zeros([FRONT], tl.int32)
+        L = tl.load(SEED + s * stride_seed).to(tl.int32)
         pushed = 0
-        # the top-1 chain: row d + 1 at depth d + 1, under row d; its rank-1 siblings go to the frontier
+        # the top-1 chain to depth L: row d + 1 at depth d + 1, under row d; its rank-1 siblings go to the frontier
         for d in tl.static_range(D):
+            on = d < L
             row = d + 1
             c = _pick(cum, r_idx, d) + tl.load(lp_row + d * K)
             b_row = _pick(bits, r_idx, d) | (tl.full([], 1, tl.int64) << row)
-            cum = tl.where(r_idx == row, c, cum)
-            par = tl.where(r_idx == row, d, par)
-            dep = tl.where(r_idx == row, d + 1, dep)
-            tok = tl.where(r_idx == row, tl.load(tok_row + d * K), tok)
-            bits = tl.where(r_idx == row, b_row, bits)
+            here = (r_idx == row) & on
+            cum = tl.where(here, c, cum)
+            par = tl.where(here, d, par)
+            dep = tl.where(here, d + 1, dep)
+            tok = tl.where(here, tl.load(tok_row + d * K), tok)
+            bits = tl.where(here, b_row, bits)
             if K > 1:
                 v = _pick(cum, r_idx, d) + tl.load(lp_row + d * K + 1)
-                f_val = tl.where(f_idx == pushed, v, f_val)
-                f_live = tl.where(f_idx == pushed, 1, f_live)
-                f_dep = tl.where(f_idx == pushed, d, f_dep)
-                f_rank = tl.where(f_idx == pushed, 1, f_rank)
-                f_par = tl.where(f_idx == pushed, d, f_par)
-                pushed += 1
-        # best-first: pop the best candidate, push its next sibling and its first child
-        for row in tl.static_range(D + 1, N):
+                slot = (f_idx == pushed) & on
+                f_val = tl.where(slot, v, f_val)
+                f_live = tl.where(slot, 1, f_live)
+                f_dep = tl.where(slot, d, f_dep)
+                f_rank = tl.where(slot, 1, f_rank)
+                f_par = tl.where(slot, d, f_par)
+                pushed += on.to(tl.int32)
+        # below the chain: its last row's first child (the root's, for L = 0)
+        kid = L < D
+        v = _pick(cum, r_idx, L) + tl.load(lp_row + L * K, mask=kid, other=0.0)
+        slot = (f_idx == pushed) & kid
+        f_val = tl.where(slot, v, f_val)
+        f_live = tl.where(slot, 1, f_live)
+        f_dep = tl.where(slot, L, f_dep)
+        f_rank = tl.where(slot, 0, f_rank)
+        f_par = tl.where(slot, L, f_par)
+        pushed += kid.to(tl.int32)
+        # best-first after the chain: pop the best candidate, push its next sibling and its first child
+        for row in tl.static_range(1, N):
+            grow = row > L  # rows 1..L are the chain's
             live = f_live != 0
             best = tl.max(tl.where(live, f_val, float("-inf")), 0)
             j = tl.min(tl.where(live & (f_val == best), f_idx, FRONT), 0)
@@ -105,30 +118,33 @@ if triton is not None:
             d = _pick(f_dep, f_idx, j)
             rank = _pick(f_rank, f_idx, j)
             p = _pick(f_par, f_idx, j)
-            f_live = tl.where(f_idx == j, 0, f_live)
+            f_live = tl.where((f_idx == j) & grow, 0, f_live)
             b_row = _pick(bits, r_idx, p) | (tl.full([], 1, tl.int64) << row)
-            cum = tl.where(r_idx == row, v, cum)
-            par = tl.where(r_idx == row, p, par)
-            dep = tl.where(r_idx == row, d + 1, dep)
-            tok = tl.where(r_idx == row, tl.load(tok_row + d * K + rank), tok)
-            bits = tl.where(r_idx == row, b_row, bits)
+            here = (r_idx == row) & grow
+            cum = tl.where(here, v, cum)
+            par = tl.where(here, p, par)
+            dep = tl.where(here, d + 1, dep)
+            tok = tl.where(here, tl.load(tok_row + d * K + rank), tok)
+            bits = tl.where(here, b_row, bits)
             base = _pick(cum, r_idx, p)  # the parent's cumulative log-prob
-            sib = rank + 1 < K
+            sib = (rank + 1 < K) & grow
             v_sib = base + tl.load(lp_row + d * K + rank + 1, mask=sib, other=0.0)
-            f_val = tl.where((f_idx == pushed) & sib, v_sib, f_val)
-            f_live = tl.where((f_idx == pushed) & sib, 1, f_live)
-            f_dep = tl.where(f_idx == pushed, d, f_dep)
-            f_rank = tl.where(f_idx == pushed, rank + 1, f_rank)
-            f_par = tl.where(f_idx == pushed, p, f_par)
-            pushed += 1
-            kid = d + 1 < D
+            slot = (f_idx == pushed) & sib
+            f_val = tl.where(slot, v_sib, f_val)
+            f_live = tl.where(slot, 1, f_live)
+            f_dep = tl.where(slot, d, f_dep)
+            f_rank = tl.where(slot, rank + 1, f_rank)
+            f_par = tl.where(slot, p, f_par)
+            pushed += sib.to(tl.int32)
+            kid = (d + 1 < D) & grow
             v_kid = v + tl.load(lp_row + (d + 1) * K, mask=kid, other=0.0)
-            f_val = tl.where((f_idx == pushed) & kid, v_kid, f_val)
-            f_live = tl.where((f_idx == pushed) & kid, 1, f_live)
-            f_dep = tl.where(f_idx == pushed, d + 1, f_dep)
-            f_rank = tl.where(f_idx == pushed, 0, f_rank)
-            f_par = tl.where(f_idx == pushed, row, f_par)
-            pushed += 1
+            slot = (f_idx == pushed) & kid
+            f_val = tl.where(slot, v_kid, f_val)
+            f_live = tl.where(slot, 1, f_live)
+            f_dep = tl.where(slot, d + 1, f_dep)
+            f_rank = tl.where(slot, 0, f_rank)
+            f_par = tl.where(slot, row, f_par)
+            pushed += kid.to(tl.int32)
         out = s * N + r_idx
         ok = r_idx < N
         tl.store(PARENT + out, par, mask=ok)

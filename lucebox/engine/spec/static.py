@@ -113,8 +113,9 @@ class StaticSpec:
         dev = self.device
         self.kpos = torch.arange(self.max_ctx + n, device=dev)
         # Each graph's per-sequence inputs, one packed buffer each (one host->device copy a replay).
-        # draft: the last token then mask tokens, the drafter context length, the block tables (verify's too)
-        self.draft_in = _Packed(b, {"ids": self.B, "start": 1, "tables": nb}, dev)
+        # draft: the last token then mask tokens, the drafter context length, the block tables (verify's too) and
+        # a DDTree's chain depth (SpecDecoder.seed_depth)
+        self.draft_in = _Packed(b, {"ids": self.B, "start": 1, "tables": nb, "seed": 1}, dev)
         # verification: ids, positions, cache slots, DDTree ancestor-or-self bits, and a hybrid's state slot,
         # conv windows [n, kernel] and parent states (StateRows.fixed)
         verify = {"ids": n, "pos": n, "slots": n, "tree": n}
@@ -309,7 +310,7 @@ class StaticSpec:
         def fn() -> Any:
             d = self.draft_in
             lp, tok = draft()
-            nodes, parent, depth, bits = trees(lp, tok, n)
+            nodes, parent, depth, bits = trees(lp, tok, n, d.view("seed", b)[:, 0])
             ids = torch.cat([d.view("ids", b)[:, :1], nodes], 1)
             start = d.view("start", b)
             spos = start + rows[None, :]  # row r's K/V goes to position start + r's slot, then compaction
@@ -378,6 +379,8 @@ class StaticSpec:
         ids[:g, 0] = [ch.seq.token_ids[ch.start] for ch in chunks]
         d.host("start")[:b, 0] = _pad([ch.start for ch in chunks], b)
         d.host("tables")[:b] = pad_tables([ch.seq.block_table for ch in chunks], self.max_ctx // self.page, b)
+        seeds = [spec.seed_depth(ch.seq) for ch in chunks] if self.K > 1 else []
+        d.host("seed")[:b, 0] = _pad(seeds, b) if seeds else 0
         if argmax and self.fused and self.one_launch:
             return self._one_launch_step(chunks, b, c)
         d.send(b)
@@ -392,8 +395,8 @@ class StaticSpec:
                 verify.append(Chunk(ch.seq, ch.start, n, tokens=toks, parents=parents))
         else:
             top_v, top_i = out[0][:g].tolist(), out[1][:g].tolist()
-            for ch, tv, ti in zip(chunks, top_v, top_i):
-                toks, parents = build_tree(tv, ti, spec.budget)
+            for ch, tv, ti, seed in zip(chunks, top_v, top_i, seeds):
+                toks, parents = build_tree(tv, ti, spec.budget, seed)
                 verify.append(Chunk(ch.seq, ch.start, n, tokens=[ch.seq.token_ids[ch.start]] + toks,
                                     parents=[-1] + parents))
         spec.stats.drafted += g * (n - 1)
@@ -476,11 +479,11 @@ class StaticSpec:
                 v.host("parents")[i] = np.asarray(ch.parents) + 1
 
 
-def _host_trees(lp: torch.Tensor, tok: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
+def _host_trees(lp: torch.Tensor, tok: torch.Tensor, n: int, seed: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """`triton_tree.draft_trees` from `build_tree` on the host, for the CPU's eager one-launch step."""
     nodes, parents, depths, bits = [], [], [], []
-    for top_lp, top_ids in zip(lp.tolist(), tok.tolist()):
-        tokens, par = build_tree(top_lp, top_ids, n - 1)
+    for top_lp, top_ids, chain in zip(lp.tolist(), tok.tolist(), seed.tolist()):
+        tokens, par = build_tree(top_lp, top_ids, n - 1, chain)
         depth = [0]
         for p in par:
             depth.append(depth[p] + 1)
