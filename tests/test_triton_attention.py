@@ -38,7 +38,8 @@ def reference(q, k_cache, v_cache, tables, positions, page, scale, window):
 
 @pytest.mark.parametrize("hq,hkv,dim", [(9, 3, 64), (4, 1, 256), (8, 8, 32)])
 @pytest.mark.parametrize("window", [None, 40])
-def test_kernel_matches_reference(hq, hkv, dim, window):
+@pytest.mark.parametrize("max_ctx", [320, 2048])  # 4 / 16 splits, each row's context divided among them
+def test_kernel_matches_reference(hq, hkv, dim, window, max_ctx):
     torch.manual_seed(0)
     page, n_blocks, bsz = 16, 64, 3
     dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
@@ -48,7 +49,6 @@ def test_kernel_matches_reference(hq, hkv, dim, window):
     tables = perm[: bsz * 20].view(bsz, 20).to(DEVICE)
     positions = torch.tensor([0, 77, 300], device=DEVICE)  # contexts 1, 78, 301 tokens
     q = torch.randn(bsz, hq, dim, device=DEVICE).to(dtype)
-    max_ctx = 320
     out = triton_attention.decode_attention(q, k_cache, v_cache, tables, positions, page=page, scale=dim**-0.5,
                                             max_ctx=max_ctx, window=window)
     ref = reference(q, k_cache, v_cache, tables, positions, page, dim**-0.5, window)
@@ -69,13 +69,13 @@ def test_kernel_matches_reference(hq, hkv, dim, window):
         torch.testing.assert_close(ws[:, sums].view(torch.float32), ref_ws[:, sums].view(torch.float32))
 
 
-def test_split_len_covers_the_context():
+def test_decode_splits_are_64_tokens_of_the_bucket_or_more():
     for max_ctx in (16, 256, 300, 1024, 8192, 131072):
         for programs in (1, 4, 32, 512):
-            per, n = triton_attention.split_len(max_ctx, programs=programs)
-            assert per * n >= max_ctx and n & (n - 1) == 0 and n <= 64
-            assert n == 1 or (per >= 64 and programs * n // 2 < 256)  # no split shorter than 64 tokens
-    # batch 1, 4 KV heads, the 512-token bucket: 8 splits of 64 tokens (32 programs); a batch that fills the
-    # GPU alone is not split
-    assert triton_attention.split_len(512, programs=4) == (64, 8)
-    assert triton_attention.split_len(32768, programs=256) == (32768, 1)
+            n = triton_attention.decode_splits(max_ctx, programs=programs)
+            assert n & (n - 1) == 0 and n <= 64
+            assert n == 1 or (max_ctx / n >= 64 and programs * n // 2 < 256)
+    # batch 1, 4 KV heads, the 512-token bucket: 8 splits (32 programs) of 64 tokens for a full bucket; a
+    # 257-token context fills 5 of them (whole 64-key tiles); a batch that fills the GPU alone is not split
+    assert triton_attention.decode_splits(512, programs=4) == 8
+    assert triton_attention.decode_splits(32768, programs=256) == 1

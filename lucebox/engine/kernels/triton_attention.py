@@ -49,16 +49,16 @@ def supports(head_dim: int) -> bool:
 
 if triton is not None:
 
-    # Nothing a step varies may change the compiled kernel, or a request waits for a JIT: the split length,
-    # the split count's strides (n_splits x heads) and the per-step metadata, whose tensors are views into
-    # one packed buffer at any offset (Triton specialises pointers on 16-byte alignment and ints on % 16).
-    @triton.jit(do_not_specialize=["stride_btb", "window", "split_len", "stride_ab", "stride_as", "stride_lb"],
+    # Nothing a step varies may change the compiled kernel, or a request waits for a JIT: the split count's
+    # strides (n_splits x heads) and the per-step metadata, whose tensors are views into one packed buffer
+    # at any offset (Triton specialises pointers on 16-byte alignment and ints on % 16).
+    @triton.jit(do_not_specialize=["stride_btb", "window", "stride_ab", "stride_as", "stride_lb"],
                 do_not_specialize_on_alignment=["BT", "POS"])
     def _decode_split(
         Q, K, V, KS, VS, BT, POS, ACC, LSE,
         stride_qb, stride_qh, stride_ks, stride_kh, stride_kss, stride_ksh, stride_btb,
         stride_ab, stride_as, stride_ah, stride_lb, stride_ls,
-        scale, window, split_len,
+        scale, window,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
         BLOCK_N: tl.constexpr, SLIDING: tl.constexpr, PRECISION: tl.constexpr, Q8: tl.constexpr,
     ):
@@ -68,10 +68,15 @@ if triton is not None:
         kvh = tl.program_id(1)
         split = tl.program_id(2)
         ctx = tl.load(POS + b) + 1  # the new token's K/V is already in the cache
-        lo = split * split_len
-        hi = tl.minimum(lo + split_len, ctx)
+        # The keys this row sees, [first, ctx), in equal runs of whole tiles, one a split: balanced on the
+        # row's real context, not the graph bucket's (a context just past half its bucket fills every split).
+        first = ctx * 0
         if SLIDING:
-            lo = tl.maximum(lo, ctx - window)
+            first = tl.maximum(ctx - window, 0)
+        base = (first // BLOCK_N) * BLOCK_N
+        per = tl.cdiv(ctx - base, tl.num_programs(2) * BLOCK_N) * BLOCK_N
+        lo = tl.maximum(base + split * per, first)
+        hi = tl.minimum(base + (split + 1) * per, ctx)
         g = tl.arange(0, GROUP_PAD)
         d = tl.arange(0, HEAD_DIM)
         heads = kvh * GROUP + g
@@ -200,22 +205,22 @@ if triton is not None:
         acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=PRECISION).to(tl.float32)
         return acc, m_new, l_i
 
-    @triton.jit(do_not_specialize=["stride_btb", "q_len", "window", "n_splits", "split_len", "stride_ab", "stride_as",
+    @triton.jit(do_not_specialize=["stride_btb", "q_len", "window", "n_splits", "stride_ab", "stride_as",
                                    "stride_lb", "stride_ls"],
                 do_not_specialize_on_alignment=["BT", "CTX", "QPOS", "TREE", "QLENS", "QSTART", "TILES"])
     def _prefill(
         Q, K, V, KS, VS, OUT, BT, CTX, QPOS, TREE, ACC, LSE, QLENS, QSTART, TILES,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_ks, stride_kh, stride_kss, stride_ksh, stride_btb,
         stride_ab, stride_as, stride_ah, stride_lb, stride_ls,
-        q_len, qk_scale, window, n_splits, split_len,
+        q_len, qk_scale, window, n_splits,
         GROUP: tl.constexpr, QT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, HAS_TREE: tl.constexpr, SLIDING: tl.constexpr,
         SPLIT_KV: tl.constexpr, PRECISION: tl.constexpr, Q8: tl.constexpr, RAGGED: tl.constexpr,
         BIDIR: tl.constexpr,
     ):
         # A tile is QT query rows x the GROUP query heads of one KV head: m = row * GROUP + head.
-        # SPLIT_KV: program (tile, seq * n_splits + split) covers keys [split * split_len, +split_len) and
-        # writes a partial result for `_merge_splits` (long contexts with few query tiles fill the GPU).
+        # SPLIT_KV: program (tile, seq * n_splits + split) covers the split-th of n_splits runs of the tile's
+        # keys and writes a partial result for `_merge_splits` (long contexts with few query tiles fill the GPU).
         # RAGGED: sequence s brings QLENS[s] rows from row QSTART[s]; program (i, split, kvh) runs the query
         # tile TILES[i] = seq << 32 | tile, listed by the host for every tile of every sequence (-1: padding,
         # for a grid fixed by a CUDA graph), so no program is spent on a short sequence's missing tiles.
@@ -269,9 +274,11 @@ if triton is not None:
         lo_t = (lo // BLOCK_N) * BLOCK_N
         a = tl.minimum(((full_lo + BLOCK_N - 1) // BLOCK_N) * BLOCK_N, hi)
         b = tl.maximum((full_hi // BLOCK_N) * BLOCK_N, a)
-        if SPLIT_KV:  # split_len is a multiple of BLOCK_N: tiles stay aligned
-            k_lo = split * split_len
-            k_hi = k_lo + split_len
+        if SPLIT_KV:  # the tile's keys [lo_t, hi) in equal runs of whole tiles (aligned), one a split: balanced
+            # on the real context, not the bucket's max_ctx the grid was sized for
+            per = tl.cdiv(hi - lo_t, n_splits * BLOCK_N) * BLOCK_N
+            k_lo = lo_t + split * per
+            k_hi = k_lo + per
             lo_t = tl.minimum(tl.maximum(lo_t, k_lo), k_hi)
             a = tl.minimum(tl.maximum(a, k_lo), k_hi)
             b = tl.minimum(tl.maximum(b, k_lo), k_hi)
@@ -316,18 +323,18 @@ def _scale_args(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Ten
     return ks, vs, ks.stride(0), ks.stride(1), True
 
 
-def split_len(max_ctx: int, programs: int = 1, target: int = 256, max_splits: int = 64,
-              min_split: int = 64) -> tuple[int, int]:
-    """Tokens per split and number of splits (a power of two) for contexts up to `max_ctx`, when `programs`
-    (batch x KV heads) each take one: split until about `target` programs run (the H200 has 132 SMs) or a
-    split is down to `min_split` tokens. A decode step is a chain of dependent key tiles per program, so
-    few long programs are slow: a Qwen3-30B-A3B step (4 KV heads, batch 1, a 512-token bucket) took 12 us a
-    layer in 2 splits of 256 tokens (the old rule, splits of at least 256 tokens whatever the batch)."""
+def decode_splits(max_ctx: int, programs: int = 1, target: int = 256, max_splits: int = 64,
+                  min_split: int = 64) -> int:
+    """Key splits (a power of two) for contexts up to `max_ctx`, when `programs` (batch x KV heads) each
+    take one: split until about `target` programs run (the H200 has 132 SMs) or a split of `max_ctx` is
+    down to `min_split` tokens (the kernel divides each row's real context among the splits). A decode step
+    is a chain of dependent key tiles per program, so few long programs are slow: a Qwen3-30B-A3B step
+    (4 KV heads, batch 1, a 512-token bucket) took 12 us a layer in 2 splits of 256 tokens (the old rule,
+    splits of at least 256 tokens whatever the batch)."""
     n = 1
     while n < max_splits and max_ctx / (2 * n) >= min_split and programs * n < target:
         n *= 2
-    per = -(-max_ctx // n)
-    return per, n
+    return n
 
 
 def decode_attention(
@@ -351,7 +358,7 @@ def decode_attention(
     bsz, hq, dim = q.shape
     hkv = k_cache.shape[1]
     group = hq // hkv
-    per, n_splits = split_len(max_ctx, programs=bsz * hkv)
+    n_splits = decode_splits(max_ctx, programs=bsz * hkv)
     acc = torch.empty(bsz, n_splits, hq, dim, dtype=torch.float32, device=q.device)
     lse = torch.empty(bsz, n_splits, hq, dtype=torch.float32, device=q.device)
     block_n = 64 if dim <= 128 else 32
@@ -361,7 +368,7 @@ def decode_attention(
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), stride_kss, stride_ksh,
         block_tables.stride(0),
         acc.stride(0), acc.stride(1), acc.stride(2), lse.stride(0), lse.stride(1),
-        scale, window or 0, per,
+        scale, window or 0,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim, PAGE=page,
         BLOCK_N=block_n, SLIDING=window is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 models get exact fp32 dots
@@ -415,13 +422,16 @@ def _sm_count(device: torch.device) -> int:
 
 def kv_splits(device: torch.device, programs: int, max_ctx: int, warps: int) -> int:
     """Key splits (a power of two) for a grid of `programs`: split only when the query tiles leave SMs idle
-    and splitting shortens the last wave by a quarter or more (the merge is not free), never below 512
-    keys a split. One on the CPU (the interpreter)."""
+    and splitting shortens the last wave by a quarter or more (the merge is not free), never below 128 keys
+    a split of the bucket's shortest context (half of `max_ctx`; the kernel divides each tile's real keys):
+    a 16-row verify block in the 2K-token bucket runs 8 splits (~130 keys each at 1K tokens), in the
+    256-token bucket none (a merge launch a layer costs more than the split saves there). One on the CPU
+    (the interpreter)."""
     if device.type != "cuda":
         return 1
     slots = _sm_count(device) * (1 if warps >= 8 else 2)  # programs resident at once
     best, best_cost, n = 1, 1.0, 2
-    while n <= 16 and max_ctx / n >= 512:
+    while n <= 16 and max_ctx / (2 * n) >= 128:
         cost = -(-programs * n // slots) / n / -(-programs // slots)  # waves x work per program, vs no split
         if cost < 0.75 * best_cost:
             best, best_cost = n, cost
@@ -472,7 +482,6 @@ def prefill_attention(
     qt = block_m // group
     n_tiles = tiles.shape[0] if ragged else triton.cdiv(q_len, qt)
     n_splits = splits or kv_splits(q.device, n_tiles * n_seqs * hkv, max_ctx, warps)
-    per = triton.cdiv(triton.cdiv(max_ctx, n_splits), block_n) * block_n
     out = torch.empty(rows, hq, dim, dtype=q.dtype, device=q.device)
     if n_splits > 1:
         acc = torch.empty(rows, n_splits, hq, dim, dtype=torch.float32, device=q.device)
@@ -486,7 +495,7 @@ def prefill_attention(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
         stride_kss, stride_ksh,
         block_tables.stride(0), acc.stride(0), acc.stride(1), acc.stride(2), lse.stride(0), lse.stride(1),
-        q_len, scale * LOG2E, window or 0, n_splits, per,
+        q_len, scale * LOG2E, window or 0, n_splits,
         GROUP=group, QT=qt, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=dim, PAGE=page,
         HAS_TREE=tree is not None, SLIDING=window is not None, SPLIT_KV=n_splits > 1,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", Q8=q8, RAGGED=ragged, BIDIR=bidirectional,
