@@ -56,6 +56,21 @@ if triton is not None:
         return tl.sum(tl.where(idx == at, values, 0), 0)
 
     @triton.jit
+    def _push(f_val, f_live, f_dep, f_rank, f_par, f_idx, pushed, on, v, d, rank, parent):
+        """Append a candidate (value v: child `rank` at depth d under row `parent`) to the frontier if `on`."""
+        slot = (f_idx == pushed) & on
+        return (tl.where(slot, v, f_val), tl.where(slot, 1, f_live), tl.where(slot, d, f_dep),
+                tl.where(slot, rank, f_rank), tl.where(slot, parent, f_par), pushed + on.to(tl.int32))
+
+    @triton.jit
+    def _place(cum, par, dep, tok, bits, r_idx, row, on, c, parent, depth, token):
+        """Write row `row` (cumulative log-prob c, under `parent`, at `depth`, drafting `token`) if `on`."""
+        here = (r_idx == row) & on
+        b_row = _pick(bits, r_idx, parent) | (tl.full([], 1, tl.int64) << row)
+        return (tl.where(here, c, cum), tl.where(here, parent, par), tl.where(here, depth, dep),
+                tl.where(here, token, tok), tl.where(here, b_row, bits))
+
+    @triton.jit
     def _tree_kernel(LP, TOK, SEED, stride_seed, NODES, PARENT, DEPTH, BITS, D: tl.constexpr, K: tl.constexpr,
                      N: tl.constexpr, ROWS: tl.constexpr, FRONT: tl.constexpr):
         # One sequence: rows (root = 0) and a frontier of candidates (depth, rank, parent row, value, live); a
@@ -81,33 +96,17 @@ if triton is not None:
         for d in tl.static_range(D):
             on = d < L
             row = d + 1
-            c = _pick(cum, r_idx, d) + tl.load(lp_row + d * K)
-            b_row = _pick(bits, r_idx, d) | (tl.full([], 1, tl.int64) << row)
-            here = (r_idx == row) & on
-            cum = tl.where(here, c, cum)
-            par = tl.where(here, d, par)
-            dep = tl.where(here, d + 1, dep)
-            tok = tl.where(here, tl.load(tok_row + d * K), tok)
-            bits = tl.where(here, b_row, bits)
+            base = _pick(cum, r_idx, d)
+            cum, par, dep, tok, bits = _place(cum, par, dep, tok, bits, r_idx, row, on,
+                                              base + tl.load(lp_row + d * K), d, d + 1, tl.load(tok_row + d * K))
             if K > 1:
-                v = _pick(cum, r_idx, d) + tl.load(lp_row + d * K + 1)
-                slot = (f_idx == pushed) & on
-                f_val = tl.where(slot, v, f_val)
-                f_live = tl.where(slot, 1, f_live)
-                f_dep = tl.where(slot, d, f_dep)
-                f_rank = tl.where(slot, 1, f_rank)
-                f_par = tl.where(slot, d, f_par)
-                pushed += on.to(tl.int32)
+                f_val, f_live, f_dep, f_rank, f_par, pushed = _push(
+                    f_val, f_live, f_dep, f_rank, f_par, f_idx, pushed, on, base + tl.load(lp_row + d * K + 1), d, 1, d)
         # below the chain: its last row's first child (the root's, for L = 0)
         kid = L < D
-        v = _pick(cum, r_idx, L) + tl.load(lp_row + L * K, mask=kid, other=0.0)
-        slot = (f_idx == pushed) & kid
-        f_val = tl.where(slot, v, f_val)
-        f_live = tl.where(slot, 1, f_live)
-        f_dep = tl.where(slot, L, f_dep)
-        f_rank = tl.where(slot, 0, f_rank)
-        f_par = tl.where(slot, L, f_par)
-        pushed += kid.to(tl.int32)
+        f_val, f_live, f_dep, f_rank, f_par, pushed = _push(
+            f_val, f_live, f_dep, f_rank, f_par, f_idx, pushed, kid,
+            _pick(cum, r_idx, L) + tl.load(lp_row + L * K, mask=kid, other=0.0), L, 0, L)
         # best-first after the chain: pop the best candidate, push its next sibling and its first child
         for row in tl.static_range(1, N):
             grow = row > L  # rows 1..L are the chain's
@@ -119,32 +118,17 @@ if triton is not None:
             rank = _pick(f_rank, f_idx, j)
             p = _pick(f_par, f_idx, j)
             f_live = tl.where((f_idx == j) & grow, 0, f_live)
-            b_row = _pick(bits, r_idx, p) | (tl.full([], 1, tl.int64) << row)
-            here = (r_idx == row) & grow
-            cum = tl.where(here, v, cum)
-            par = tl.where(here, p, par)
-            dep = tl.where(here, d + 1, dep)
-            tok = tl.where(here, tl.load(tok_row + d * K + rank), tok)
-            bits = tl.where(here, b_row, bits)
+            cum, par, dep, tok, bits = _place(cum, par, dep, tok, bits, r_idx, row, grow, v, p, d + 1,
+                                              tl.load(tok_row + d * K + rank))
             base = _pick(cum, r_idx, p)  # the parent's cumulative log-prob
             sib = (rank + 1 < K) & grow
-            v_sib = base + tl.load(lp_row + d * K + rank + 1, mask=sib, other=0.0)
-            slot = (f_idx == pushed) & sib
-            f_val = tl.where(slot, v_sib, f_val)
-            f_live = tl.where(slot, 1, f_live)
-            f_dep = tl.where(slot, d, f_dep)
-            f_rank = tl.where(slot, rank + 1, f_rank)
-            f_par = tl.where(slot, p, f_par)
-            pushed += sib.to(tl.int32)
+            f_val, f_live, f_dep, f_rank, f_par, pushed = _push(
+                f_val, f_live, f_dep, f_rank, f_par, f_idx, pushed, sib,
+                base + tl.load(lp_row + d * K + rank + 1, mask=sib, other=0.0), d, rank + 1, p)
             kid = (d + 1 < D) & grow
-            v_kid = v + tl.load(lp_row + (d + 1) * K, mask=kid, other=0.0)
-            slot = (f_idx == pushed) & kid
-            f_val = tl.where(slot, v_kid, f_val)
-            f_live = tl.where(slot, 1, f_live)
-            f_dep = tl.where(slot, d + 1, f_dep)
-            f_rank = tl.where(slot, 0, f_rank)
-            f_par = tl.where(slot, row, f_par)
-            pushed += kid.to(tl.int32)
+            f_val, f_live, f_dep, f_rank, f_par, pushed = _push(
+                f_val, f_live, f_dep, f_rank, f_par, f_idx, pushed, kid,
+                v + tl.load(lp_row + (d + 1) * K, mask=kid, other=0.0), d + 1, 0, row)
         out = s * N + r_idx
         ok = r_idx < N
         tl.store(PARENT + out, par, mask=ok)

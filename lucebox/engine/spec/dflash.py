@@ -88,8 +88,8 @@ class SpecDecoder:
     def seed_depth(self, seq: Sequence) -> int:
         """How deep a DDTree keeps the drafter's top-1 chain before it grows best-first (build_tree): twice the
         tokens a step this sequence has committed so far (the engine's figure before its fourth step; the whole
-        chain before any), at most the block. A weak drafter's tree then spends its nodes where the drafter
-        rates them likely (SmolLM2's shipped drafter, tau ~3: +7-11% tau at budget 22 over the whole chain);
+        chain before any), at most block - 1. A weak drafter's tree then spends its nodes where the drafter
+        rates them likely (SmolLM2's shipped drafter, tau ~3: +5-10% tau at budget 22 over the whole chain);
         a strong one's keeps the chain that its accepted steps reach."""
         if self.tree_chain is not None:
             return min(max(self.tree_chain, 0), self.block - 1)
