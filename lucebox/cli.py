@@ -268,6 +268,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--context", type=int, default=32,
                    help="prompt tokens before the timed steps: the context they attend over (default 32)")
     b.add_argument("--taus", default="6,7,8", help="acceptance lengths to project the speedup at (default 6,7,8)")
+    b.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                   help="then profile this many steps of plain decoding and of each one-launch configuration at "
+                        "the first batch: the kernels (CUDA; ops on the CPU) side by side, us and calls a step")
     b.add_argument("--json", type=Path, default=Path("bench_spec_cost.json"), help="where to write the results")
     b.set_defaults(func=_lazy("lucebox.bench.spec_cost", "main"))
 

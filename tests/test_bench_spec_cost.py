@@ -23,7 +23,7 @@ def test_hybrid_shape_chain_and_tree_costs(tmp_path: Path, tokenizer: Path, caps
     out = tmp_path / "cost.json"
     assert main(["bench", "spec-cost", "--model", str(tokenizer), "--shape", "tiny-qwen3.5", "--device", "cpu",
                  "--draft-layers", "2", "--block", "4", "--budgets", "5", "--batch-sizes", "1,2", "--steps", "2",
-                 "--taus", "3,6", "--context", "40", "--json", str(out)]) == 0
+                 "--taus", "3,6", "--context", "40", "--profile", "2", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert not Path(report["model"]).exists(), "the random model goes with its temporary folder"
     assert report["drafter"] == {"path": None, "layers": 2, "block": 4}
@@ -38,6 +38,16 @@ def test_hybrid_shape_chain_and_tree_costs(tmp_path: Path, tokenizer: Path, caps
         assert (r["projected_speedup"]["6"] is None) == (config == "chain")
     table = capsys.readouterr().out
     assert "random drafter (2 layers, block 4)" in table and "ddtree b=5" in table
+    # --profile 2: plain and both one-launch configs profiled at batch 1, their step times those timed above
+    prof = report["profile"]
+    assert prof["batch"] == 1 and prof["steps"] == 2 and set(prof["reports"]) == {"plain", "chain", "ddtree b=5"}
+    assert prof["step_ms"]["chain"] == got["chain", 1]["spec_step_ms"]
+    busy = {k: v["busy_us_per_step"] for k, v in prof["reports"].items()}
+    # a speculative step drafts and verifies several rows: more work than a plain step's one row
+    assert busy["chain"] > busy["plain"] > 0 and busy["ddtree b=5"] > busy["plain"], busy
+    for rep in prof["reports"].values():
+        assert rep["busy_us_per_step"] == pytest.approx(sum(k["us_per_step"] for k in rep["kernels"]))
+    assert "bench spec-cost --profile: 2 steps at batch 1" in table and "chain us" in table
 
 
 @pytest.mark.parametrize(("flag", "value"), [("--taus", "0.5"), ("--budgets", "x"), ("--batch-sizes", "0"),

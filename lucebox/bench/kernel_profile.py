@@ -9,6 +9,8 @@ ops' own (self) time.
 from __future__ import annotations
 
 import collections
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -26,19 +28,30 @@ def profile_decode(engine: LLMEngine, prompts: list[list[int]], steps: int) -> d
     and time per step, busiest first. Run it on an engine without CUDA graphs (every launch is seen)."""
     if steps < 1:
         raise ValueError("--profile takes a number of steps, at least 1")
-    cuda = engine.device.type == "cuda"
     seqs = [engine.add(p, SamplingParams(max_tokens=steps + 4, ignore_eos=True)) for p in prompts]
     while any(s.num_output < 2 for s in seqs):  # prefilled, and one decode step run (lazy set-up done)
         engine.step()
-    if cuda:
-        torch.cuda.synchronize(engine.device)
-    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+    report: dict[str, Any] = {}
+    with recording(engine.device, steps, report):
         for _ in range(steps):
             engine.step()
-        if cuda:
-            torch.cuda.synchronize(engine.device)
     while any(not s.is_finished for s in seqs):
         engine.step()
+    return {"device": engine.device.type, "batch": len(prompts), "steps": steps, **report}
+
+
+@contextlib.contextmanager
+def recording(device: torch.device, steps: int, into: dict[str, Any]) -> Iterator[None]:
+    """Profile the block, `steps` engine steps, and put their account into `into`: busy time and launches a
+    step, and per kernel (CUDA) or op (CPU) its calls and time a step, busiest first. On CUDA the kernels of
+    CUDA graph replays are counted too (CUPTI reports each kernel of a replay)."""
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        yield
+        if cuda:
+            torch.cuda.synchronize(device)
     totals: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])  # name -> [µs, calls]
     if cuda:
         for e in prof.events():
@@ -53,8 +66,8 @@ def profile_decode(engine: LLMEngine, prompts: list[list[int]], steps: int) -> d
     rows = [{"name": name, "calls_per_step": n / steps, "us_per_step": us / steps, "share": us / busy if busy else 0.0,
              "us_per_call": us / n if n else 0.0}
             for name, (us, n) in sorted(totals.items(), key=lambda kv: -kv[1][0])]
-    return {"device": engine.device.type, "batch": len(prompts), "steps": steps, "busy_us_per_step": busy / steps,
-            "launches_per_step": sum(n for _, n in totals.values()) / steps, "kernels": rows}
+    into.update(busy_us_per_step=busy / steps, launches_per_step=sum(n for _, n in totals.values()) / steps,
+                kernels=rows)
 
 
 def table_rows(report: dict[str, Any], top: int = 25) -> list[list[Any]]:

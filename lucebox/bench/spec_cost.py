@@ -9,7 +9,9 @@ drafter's proposals are rejected, so every timed step drafts and verifies its wh
 full cost. Timing is adaptive speculation's own (`spec.adaptive.time_steps`, the engine's steps, CUDA graphs
 as the server runs them). The table gives r for the chain and for DDTree at each `--budgets` and the
 projected speedup tau / r at `--taus` (none where tau exceeds the rows a step verifies: a step commits at
-most that many tokens).
+most that many tokens). `--profile N` then accounts for the difference: N more steps of plain decoding and of
+each one-launch configuration at the first batch, profiled kernel by kernel, side by side; the step time less
+its kernels' busy time is what the GPU spent idle between them.
 """
 
 from __future__ import annotations
@@ -48,8 +50,9 @@ def main(args: argparse.Namespace) -> int:
     """With `--shape`, first write that random-weight model (to a temporary folder) and bench it instead."""
     budgets, batches = _ints(args.budgets, "--budgets", 1), _ints(args.batch_sizes, "--batch-sizes", 1)
     taus = _taus(args.taus)
-    if args.draft_layers < 1 or args.block < 2 or args.steps < 1 or args.context < 1:
-        raise LuceboxError("bench spec-cost: --draft-layers >= 1, --block >= 2, --steps >= 1 and --context >= 1")
+    if args.draft_layers < 1 or args.block < 2 or args.steps < 1 or args.context < 1 or args.profile < 0:
+        raise LuceboxError("bench spec-cost: --draft-layers >= 1, --block >= 2, --steps >= 1, --context >= 1 "
+                           "and --profile >= 0")
     if args.shape is None:
         return _run(args, budgets, batches, taus)
     from lucebox.bench.decode import write_random_model
@@ -103,9 +106,10 @@ def _run(args: argparse.Namespace, budgets: list[int], batches: list[int], taus:
                             "projected_speedup": {f"{t:g}": x for t, x in zip(taus, projected)}})
         progress.advance()
     progress.close()
-    engine.set_speculation(None)
     if not results:
+        engine.set_speculation(None)
         raise LuceboxError("bench spec-cost: no --batch-sizes fit --max-num-seqs and the KV cache")
+
     cfg = drafter.cfg
     title = (f"bench spec-cost: {target.name} ({loaded.quant} file, {str(loaded.dtype)[6:]}) + "
              f"{'drafter ' + str(args.draft) if args.draft else 'random drafter'} ({cfg.num_layers} "
@@ -114,7 +118,51 @@ def _run(args: argparse.Namespace, budgets: list[int], batches: list[int], taus:
              f"{args.context}-token prompts; "
              f"speedup = tau / r")
     print_table(title, ["config", "rows", "batch", "plain ms", "spec ms", "r", *(f"tau {t:g}" for t in taus)], rows)
+    profiled = _profile(engine, configs, results, args) if args.profile else None
+    engine.set_speculation(None)
     write_json(args.json, {"benchmark": "spec-cost", "model": str(loaded.path), "shape": args.shape,
                            "drafter": {"path": args.draft, "layers": cfg.num_layers, "block": cfg.block_size},
-                           "dtype": str(loaded.dtype), "env": environment(engine.device), "results": results})
+                           "dtype": str(loaded.dtype), "env": environment(engine.device), "results": results,
+                           "profile": profiled})
     return 0
+
+
+def _profile(engine: Any, configs: list[tuple[str, Any, bool]], results: list[dict[str, Any]],
+             args: argparse.Namespace) -> dict[str, Any]:
+    """`--profile N`: N steps of plain decoding and of each one-launch configuration at the first measured batch,
+    profiled (kernel_profile.recording); a table of the kernels side by side, with each column's busy time and
+    launches a step and its step time from the timed run."""
+    from lucebox.bench import kernel_profile
+    from lucebox.engine.spec.adaptive import time_steps
+
+    batch = results[0]["batch"]
+    reports: dict[str, dict[str, Any]] = {}
+    for label, spec, one_launch in configs:
+        if not one_launch:
+            continue
+        engine.set_speculation(spec)
+        if spec.static is not None:
+            spec.static.set_one_launch(True)
+
+        def around(mode: str, _batch: int, label: str = label) -> Any:
+            return kernel_profile.recording(engine.device, args.profile,
+                                            reports.setdefault("plain" if mode == "plain" else label, {}))
+
+        time_steps(engine, (batch,), args.profile, args.context, around=around)
+    timed = {"plain": next(r["plain_step_ms"] for r in results if r["batch"] == batch)}
+    timed.update((r["config"], r["spec_step_ms"]) for r in results if r["batch"] == batch)
+    labels = list(reports)
+    per = {label: {k["name"]: k for k in reports[label]["kernels"]} for label in labels}
+    names = sorted({n for kernels in per.values() for n in kernels},
+                   key=lambda n: -max(per[label].get(n, {}).get("us_per_step", 0.0) for label in labels))
+    rows: list[list[Any]] = [["(step, timed above)", *(x for label in labels for x in (1e3 * timed[label], None))],
+                             ["(all kernels: busy, launches)",
+                              *(x for label in labels for x in (reports[label]["busy_us_per_step"],
+                                                                reports[label]["launches_per_step"]))]]
+    for name in names[:30]:
+        rows.append([name[:60], *(x for label in labels for x in (per[label].get(name, {}).get("us_per_step"),
+                                                                   per[label].get(name, {}).get("calls_per_step")))])
+    what = "kernel (CUDA)" if engine.device.type == "cuda" else "op (CPU)"
+    print_table(f"bench spec-cost --profile: {args.profile} steps at batch {batch}, us and calls a step by {what}",
+                [what, *(f"{label} {c}" for label in labels for c in ("us", "calls"))], rows)
+    return {"batch": batch, "steps": args.profile, "step_ms": timed, "reports": reports}

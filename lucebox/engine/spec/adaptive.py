@@ -20,11 +20,13 @@ both modes give plain decoding's tokens.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -169,11 +171,13 @@ class AdaptiveSpec:
 
 
 def time_steps(engine: LLMEngine, batches: tuple[int, ...] = (1, 4, 16, 64), steps: int = 8,
-               prompt_len: int = 32) -> dict[int, tuple[float, float]]:
+               prompt_len: int = 32, around: Callable[[str, int], AbstractContextManager[Any]] | None = None
+               ) -> dict[int, tuple[float, float]]:
     """{batch: (plain step seconds, speculative step seconds)}, timed through the engine's own steps (its CUDA
     graphs captured already, or captured in an untimed step): `steps` decode steps of `batch` short requests
     decoding plainly, then the same speculating. The engine must be idle; the prefix cache is detached meanwhile
-    and the counters the requests moved are put back. Batches beyond --max-num-seqs or the KV pool are left out."""
+    and the counters the requests moved are put back. Batches beyond --max-num-seqs or the KV pool are left out.
+    `around(mode, batch)`: a context entered around each timed run of steps (`bench spec-cost --profile`)."""
     assert engine.spec is not None and engine.adaptive is not None and not engine.has_work()
     adaptive, spec, sched = engine.adaptive, engine.spec, engine.scheduler
     vocab, rows = engine.model_config.vocab_size, spec.rows_per_step
@@ -203,11 +207,12 @@ def time_steps(engine: LLMEngine, batches: tuple[int, ...] = (1, 4, 16, 64), ste
                         engine.step()
                     engine.step()  # one decode step untimed
                     _sync(engine)
-                    t = time.perf_counter()
-                    for _ in range(steps):
-                        engine.step()
-                    _sync(engine)
-                    seconds[mode] = (time.perf_counter() - t) / steps
+                    with around(mode, b) if around is not None else contextlib.nullcontext():
+                        t = time.perf_counter()
+                        for _ in range(steps):
+                            engine.step()
+                        _sync(engine)
+                        seconds[mode] = (time.perf_counter() - t) / steps
                 finally:
                     for s in seqs:
                         engine.abort(s)
