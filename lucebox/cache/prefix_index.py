@@ -125,10 +125,6 @@ class PrefixIndex:
         """The indexed blocks."""
         return set(self._by_block)
 
-    def num_held_alone(self) -> int:
-        """Indexed blocks no sequence references (only the index keeps them)."""
-        return sum(1 for b in list(self._by_block) if self.pool.ref_counts[b] == 1)
-
     def num_evictable(self) -> int:
         """Blocks repeated `evict` calls could free now: held by the index alone, and so are all their descendants."""
         free: dict[int, bool] = {}
