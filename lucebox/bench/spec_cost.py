@@ -109,7 +109,6 @@ def _run(args: argparse.Namespace, budgets: list[int], batches: list[int], taus:
     if not results:
         engine.set_speculation(None)
         raise LuceboxError("bench spec-cost: no --batch-sizes fit --max-num-seqs and the KV cache")
-
     cfg = drafter.cfg
     title = (f"bench spec-cost: {target.name} ({loaded.quant} file, {str(loaded.dtype)[6:]}) + "
              f"{'drafter ' + str(args.draft) if args.draft else 'random drafter'} ({cfg.num_layers} "
