@@ -25,7 +25,9 @@ NAME = 100
 
 def profile_decode(engine: LLMEngine, prompts: list[list[int]], steps: int) -> dict[str, Any]:
     """Decode `prompts` together, then profile `steps` decode steps: per kernel (CUDA) or op (CPU) its calls
-    and time per step, busiest first. Run it on an engine without CUDA graphs (every launch is seen)."""
+    and time per step, busiest first. `bench decode` runs it on an eager copy of its engine (no CUDA graphs, no
+    step ahead), so that each row is a launch its Python issued; `recording` itself also counts the kernels of
+    graph replays (`bench spec-cost --profile` profiles the served graphs)."""
     if steps < 1:
         raise ValueError("--profile takes a number of steps, at least 1")
     seqs = [engine.add(p, SamplingParams(max_tokens=steps + 4, ignore_eos=True)) for p in prompts]
