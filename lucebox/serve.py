@@ -66,6 +66,7 @@ class ServerConfig:
     ddtree: bool = False
     ddtree_budget: int = 22
     spec_adaptive: bool = True  # per request, plain decoding while drafts do not pay (engine/spec/adaptive.py)
+    spec_static: bool | None = None  # fixed-shape speculative steps (spec/static.py); None: on CUDA (tests: the CPU)
     spark: Path | None = None  # Spark placement profile (lucebox/engine/spark); None: experts all on the device
     expert_gpu_budget: str | None = None  # GB or N% of the expert bytes on the device (alone: uniform placement)
     spark_ring: int | None = None  # ring slots per MoE layer; None: Spark's default
@@ -280,7 +281,7 @@ def load_into(ctx: ServerContext, cfg: ServerConfig) -> Any:
                               kv_tokens=cfg.kv_tokens, gpu_memory=cfg.gpu_memory, max_num_seqs=cfg.max_num_seqs,
                               max_step_tokens=cfg.max_step_tokens, prefill_pacing=cfg.prefill_pacing, draft=draft,
                               ddtree=cfg.ddtree, ddtree_budget=cfg.ddtree_budget, spec_adaptive=cfg.spec_adaptive,
-                              tensor_parallel=cfg.tensor_parallel, ahead=cfg.ahead)
+                              spec_static=cfg.spec_static, tensor_parallel=cfg.tensor_parallel, ahead=cfg.ahead)
     if cfg.spark_config() is not None:
         from lucebox.engine.spark.engine import spark_engine
 

@@ -65,6 +65,46 @@ def test_spec_respects_max_tokens_and_eos_inside_a_block(tiny_gguf, tmp_path):
     assert a == b and a[-1] == first[6] and len(a) <= 7
 
 
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the GPU machine)")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+@pytest.mark.parametrize("ddtree", [False, True])
+def test_speculative_steps_launched_ahead_equal_plain(tiny_gguf, tmp_path, ddtree, device, monkeypatch):
+    """Greedy one-launch speculative steps launched one step ahead (runtime/ahead.py; eager on the CPU, CUDA
+    graphs on the GPU), each row's last token and start taken on the device from the step in flight: plain
+    decoding's tokens, with sequences ending by length or at an EOS while their next step is in flight (a
+    wasted row), and every block back after."""
+    from lucebox.engine.spec import static as static_mod
+
+    monkeypatch.setattr(static_mod, "TREE_ONE_LAUNCH", True)
+    target = tiny_gguf("llama", "F32")
+    draft = random_drafter(target, tmp_path / "d", layers=2, block=6)
+
+    def engine(path, **kw):
+        return LLMEngine.from_path(path, EngineConfig(device=device, dtype="float32", kv_tokens=4096, **kw),
+                                   quiet=True)
+
+    plain_engine = engine(target)
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (40, 7, 23, 31)]
+    plain = plain_engine.generate(PROMPTS, params)
+    spec = engine(target, draft=str(draft), ddtree=ddtree, ddtree_budget=9, spec_static=True, spec_adaptive=False,
+                  ahead=True)
+    assert spec.generate(PROMPTS, params) == plain
+    assert spec.ahead.spec_steps > 10
+    # The adaptive rule on: the random drafter is stopped, its plain steps run ahead, and a probe that starts as
+    # a plain step launches makes the next step speculative (a catch-up chunk first), not that one.
+    adaptive = engine(target, draft=str(draft), ddtree=ddtree, ddtree_budget=9, spec_static=True, ahead=True)
+    long = SamplingParams(max_tokens=80, ignore_eos=True)
+    assert adaptive.generate(PROMPTS, long) == plain_engine.generate(PROMPTS, long)
+    stats = adaptive.adaptive.stats
+    assert stats.stops > 0 and stats.probes > 0 and adaptive.ahead.steps > adaptive.ahead.spec_steps > 0
+    stop = SamplingParams(max_tokens=30, stop_token_ids=frozenset({plain[0][9]}))
+    assert spec.generate(PROMPTS, stop) == plain_engine.generate(PROMPTS, stop)
+    assert spec.ahead.wasted > 0, "no sequence ended with its next step in flight: the case is not covered"
+    assert spec.kv.pool.num_used == 0 and spec.spec.kv.pool.num_used == 0 and not spec.has_work()
+
+
 SHIPPED = Path(__file__).resolve().parent.parent / "model_cards" / "drafters" / "smollm2-135m-instruct-dflash"
 
 
@@ -117,12 +157,15 @@ def test_default_model_greedy_spec_equals_plain_with_its_shipped_drafter(smollm2
     params = SamplingParams(max_tokens=32, ignore_eos=True)
     ref = plain.generate(prompts, params)
     for ddtree, static in ((False, False), (True, False), (False, True), (True, True)):
-        spec = engine(smollm2_path, draft=str(SHIPPED), ddtree=ddtree, ddtree_budget=22, spec_static=static)
+        # the fixed-shape steps launched one step ahead, as on CUDA (runtime/ahead.py)
+        spec = engine(smollm2_path, draft=str(SHIPPED), ddtree=ddtree, ddtree_budget=22, spec_static=static,
+                      ahead=static)
         assert spec.generate(prompts[:1], params) == ref[:1]
         assert spec.generate(prompts, params) == ref
         assert spec.spec.stats.acceptance_length > 1.0
         if static:
             assert {k[0] for k in spec.spec.static.graphs} == {"tree" if ddtree else "chain"}  # one launch
+            assert spec.ahead.spec_steps > 5, "the speculative steps did not run ahead"
         del spec  # one speculative engine at a time: CI's memory limit is 6 GB
         gc.collect()
 
@@ -312,7 +355,25 @@ def test_static_steps_equal_dynamic_steps(tiny_gguf, tmp_path, arch, ddtree, mon
     assert drawn == plain_engine.generate(PROMPTS[:2], sampled)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the GPU machine)")
+@CUDA
+@pytest.mark.parametrize("ddtree", [False, True])
+def test_cuda_graph_spec_launched_ahead_with_the_shipped_drafter(smollm2_path, ddtree):
+    """fp32 on CUDA, where one-launch speculative steps run one step ahead by default: with a drafter whose
+    steps commit several tokens (so each next step's start comes from the device), plain decoding's tokens."""
+    cfg = dict(device="cuda", dtype="float32", kv_tokens=8192)
+    plain = LLMEngine.from_path(smollm2_path, EngineConfig(**cfg), quiet=True)
+    prompts = [chat_prompt(plain.tokenizer, q) for q in HELD_OUT]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (64, 23, 41)]
+    ref = plain.generate(prompts, params)
+    spec = LLMEngine.from_path(smollm2_path, EngineConfig(**cfg, draft=str(SHIPPED), ddtree=ddtree, ddtree_budget=22,
+                                                          spec_adaptive=False), quiet=True)
+    assert spec.generate(prompts[:1], params[:1]) == ref[:1]
+    assert spec.generate(prompts, params) == ref
+    assert spec.ahead.spec_steps > 10 and spec.spec.stats.acceptance_length > 1.5
+    assert spec.kv.pool.num_used == 0 and not spec.has_work()
+
+
+@CUDA
 @pytest.mark.parametrize("ddtree", [False, True])
 def test_cuda_graph_spec_equals_plain(smollm2_path, tmp_path, ddtree):
     """On CUDA the speculative steps replay CUDA graphs; in fp32 they give plain decoding's tokens."""

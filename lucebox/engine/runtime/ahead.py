@@ -13,10 +13,19 @@ for nothing and is dropped: its K/V write lands at the position after the sequen
 block the engine frees and hands out again only to steps queued later on the same stream.
 
 Only steps where nothing needs the host between two steps run ahead: decode-only batches of greedy rows
-(no penalties, logprobs, grammar or forced tokens), none of them speculating (with a drafter loaded, the
-sequences the adaptive rule has decoding plainly: spec/adaptive.py), nothing waiting to be admitted,
-and a KV block for every row without preempting anyone. A sequence that reaches its hold
-(Sequence.hold_at) with the step in flight gets no row in the next one, so it stops exactly there.
+(no penalties, logprobs, grammar or forced tokens), nothing waiting to be admitted, and a KV block for every
+row without preempting anyone. A sequence that reaches its hold (Sequence.hold_at) with the step in flight
+gets no row in the next one, so it stops exactly there (a speculating one with a hold never runs ahead).
+
+With a drafter, a step is either every row decoding plainly (the sequences the adaptive rule has decoding
+plainly: spec/adaptive.py) or every row speculating, as a greedy one-launch step (spec/static.py `launch`:
+draft, verify and accept in one graph). A speculative step commits 1 to n tokens a row, so the host knows only
+a bound for the next step's start: that step's graph takes each row's last token and start from the step
+before on the device (`StaticSpec.carried`), its tables cover the bound (blocks for reserve_rows past it),
+and once the step before is read its chunks get their true starts. A row whose sequence ended wrote K/V only
+from its final token's position on (that one's value is the true one). The adaptive rule counts a plain
+step's rows once it is launched, so a probe it starts makes the next step speculative, not this one.
+
 Before anything else touches the sequences (an abort, a command on the engine thread) the engine settles
 the step in flight.
 The greedy tokens are the same as a plain step's: the rows, their inputs and their kernels are.
@@ -31,7 +40,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -41,6 +50,7 @@ from lucebox.engine.runtime.sequence import Chunk, Sequence
 
 if TYPE_CHECKING:
     from lucebox.engine.runtime.llm_engine import StepOutput
+    from lucebox.engine.spec.static import StaticSpec
 
 
 @dataclass
@@ -49,8 +59,9 @@ class Launched:
     its tokens on the host, waiting for them."""
 
     chunks: list[Chunk]
-    tokens: torch.Tensor | None  # [n] int64, eager steps only (a graph's carried rows read it inside the graph)
-    read: Callable[[], list[int]]
+    tokens: torch.Tensor | None  # [n] int64, eager plain steps only (a graph's carried rows read it inside it)
+    read: Callable[[], list[Any]]  # a plain step's tokens, a speculative one's rows ([tokens..., path length])
+    spec: bool = False
 
 
 def runs_ahead(seq: Sequence) -> bool:
@@ -64,28 +75,42 @@ class Ahead:
     """The engine's step in flight (at most one), launched, continued and resolved."""
 
     def __init__(self, runner: ModelRunner, scheduler: Scheduler,
-                 plainly: Callable[[Sequence], bool] | None = None) -> None:
+                 plainly: Callable[[Sequence], bool] | None = None, static: StaticSpec | None = None,
+                 commit: Callable[[Chunk, list[int], int], StepOutput] | None = None) -> None:
         self.runner = runner
         self.scheduler = scheduler
-        # With a drafter: whether a sequence decodes plainly now (a speculating row needs the host each step).
+        # With a drafter: whether a sequence decodes plainly now; the fixed-shape steps that launch speculating
+        # rows, and what commits a verified row's tokens (LLMEngine._commit_ahead: chunk, tokens, batch).
         self.plainly = plainly
+        self.static = static if commit is not None else None
+        self.commit = commit
         self.kv = runner.kv
         self.inflight: Launched | None = None
         self.steps = 0  # steps launched ahead
+        self.spec_steps = 0  # of them speculative
         self.wasted = 0  # rows computed for a sequence that had ended
 
     # ----- what may run ahead -------------------------------------------------
 
     def eligible(self, chunks: list[Chunk]) -> bool:
-        """A step the host need not see between: decode rows only, each greedy, a decode graph for it."""
+        """A step the host need not see between: decode rows only, each greedy, a decode graph for it (or every
+        row speculating, a one-launch speculative step for it)."""
         if not chunks or not all(is_decode(c) and runs_ahead(c.seq) for c in chunks):
             return False
         if self.plainly is not None and not all(self.plainly(c.seq) for c in chunks):
-            return False
+            return self.speculative(chunks)
         graphs = self.runner.graphs
         if graphs is None:
             return self.runner.device.type != "cuda"
         return graphs.buckets_for(len(chunks), max(c.start + 1 for c in chunks)) is not None
+
+    def speculative(self, chunks: list[Chunk]) -> bool:
+        """Every row speculates from its drafter context's end (a row launched ahead: by construction), and
+        one launch takes them all."""
+        assert self.plainly is not None
+        if self.static is None or any(self.plainly(c.seq) or c.seq.hold_at is not None for c in chunks):
+            return False
+        return all(c.carry >= 0 or c.seq.draft_len == c.start for c in chunks) and self.static.launches(chunks)
 
     def next_chunks(self) -> list[Chunk] | None:
         """The step after the one in flight, if it can launch before that one's tokens are read: every
@@ -101,18 +126,23 @@ class Ahead:
             return None
         chunks: list[Chunk] = []
         need = 0
+        # The position of the token the step in flight samples (a speculative step's: at most), and the KV
+        # slots a row holds past it (SpecDecoder.reserve_rows: the drafter block's, the verification's).
+        ahead, past = (self.static.N, sched.decode_rows) if held.spec and self.static is not None else (1, 1)
         for i, c in enumerate(held.chunks):
             seq = c.seq
             if seq.is_finished or not runs_ahead(seq):
                 return None
-            pos = c.start + 1  # the position of the token the step in flight samples
+            pos = c.start + ahead
             if seq.num_output + 1 >= seq.params.max_tokens or pos + 1 >= sched.max_model_len:
                 continue  # ends there by length
             if seq.hold_at is not None and seq.num_output + 1 >= seq.hold_at:
                 continue  # held there: the next token waits for the hold to be lifted
-            need += max(self.kv.blocks_for(pos + 1) - len(seq.block_table), 0)
+            if held.spec and pos + past > sched.max_model_len:
+                return None  # near the end of the context: the plain schedule decides
+            need += max(self.kv.blocks_for(pos + past) - len(seq.block_table), 0)
             chunks.append(Chunk(seq, pos, 1, carry=i))
-        if not chunks or not self.eligible(chunks):
+        if not chunks or not self.eligible(chunks) or held.spec != self._speculating(chunks):
             return None
         pool = self.kv.pool
         if need > pool.num_free and sched.cache is not None:
@@ -120,7 +150,7 @@ class Ahead:
         if need > pool.num_free:
             return None  # the plain schedule decides whom to preempt
         for c in chunks:
-            grow = self.kv.blocks_for(c.start + 1) - len(c.seq.block_table)
+            grow = self.kv.blocks_for(c.start + past) - len(c.seq.block_table)
             if grow > 0:
                 c.seq.block_table.extend(pool.allocate(grow))
         return chunks
@@ -139,9 +169,16 @@ class Ahead:
         self.inflight = self._launch(chunks, held.tokens)
         return held
 
+    def _speculating(self, chunks: list[Chunk]) -> bool:
+        return self.plainly is not None and not self.plainly(chunks[0].seq)
+
     def _launch(self, chunks: list[Chunk], prev: torch.Tensor | None) -> Launched:
         runner = self.runner
         self.steps += 1
+        if self._speculating(chunks):
+            assert self.static is not None
+            self.spec_steps += 1
+            return Launched(chunks, None, self.static.launch(chunks), spec=True)
         if runner.graphs is not None:  # carried rows read the last replay's argmax, inside the graph
             return Launched(chunks, None, runner.graphs.launch(chunks))
         # eager (the CPU): the carried rows' ids are patched in on the device
@@ -157,6 +194,8 @@ class Ahead:
         """Wait for a launched step's tokens and commit them, as a plain step's postprocess does."""
         from lucebox.engine.runtime.llm_engine import StepOutput
 
+        if held.spec:
+            return self._resolve_spec(held)
         tokens = held.read()
         live = [(c, t) for c, t in zip(held.chunks, tokens) if not c.seq.is_finished]
         self.wasted += len(held.chunks) - len(live)
@@ -164,6 +203,22 @@ class Ahead:
         n_before = [len(c.seq.token_ids) for c in chunks]
         finished = set(self.scheduler.postprocess(chunks, chunks, [t for _, t in live], [None] * len(live)))
         return [StepOutput(c.seq, c.seq.token_ids[n:], c.seq in finished) for c, n in zip(chunks, n_before)]
+
+    def _resolve_spec(self, held: Launched) -> list[StepOutput]:
+        """A speculative step's rows: the step launched behind it learns its rows' true starts, then each live
+        row's tokens are committed."""
+        rows = held.read()
+        after = self.inflight
+        if after is not None and after.spec:
+            for c in after.chunks:
+                if c.carry >= 0:
+                    c.start = held.chunks[c.carry].start + rows[c.carry][-1]
+        live = [(c, row) for c, row in zip(held.chunks, rows) if not c.seq.is_finished]
+        self.wasted += len(held.chunks) - len(live)
+        chunks = [c for c, _ in live]
+        assert self.static is not None and self.commit is not None
+        committed = self.static.finish(chunks, [row for _, row in live])
+        return [self.commit(c, tokens, len(held.chunks)) for c, tokens in zip(chunks, committed)]
 
     def settle(self) -> list[StepOutput]:
         """Resolve the step in flight, if any (before anything else reads or changes the sequences)."""

@@ -310,8 +310,6 @@ class LLMEngine:
         self.spec = spec
         self.draft_path = None
         self.ahead = None
-        if self._runs_ahead() and (spec is None or self._lazy_context):  # with a drafter: its plain rows
-            self.ahead = Ahead(self.runner, self.scheduler, None if spec is None else self._decodes_plainly)
         self.scheduler.decode_rows = spec.reserve_rows if spec else 1
         self.scheduler.on_release = self._release_spec if spec else None
         self.adaptive = None
@@ -332,6 +330,10 @@ class LLMEngine:
             from lucebox.engine.spec.static import StaticSpec
 
             spec.static = StaticSpec(spec, self.config.max_num_seqs, self.n_ctx)
+        if self._runs_ahead() and spec is None:
+            self.ahead = Ahead(self.runner, self.scheduler)
+        elif self._runs_ahead() and self._lazy_context:  # with a drafter: its plain rows, its one-launch steps
+            self.ahead = Ahead(self.runner, self.scheduler, self._decodes_plainly, spec.static, self._commit_ahead)
 
     def _static_hybrid_ok(self) -> bool:
         """Whether speculation's fixed-shape steps can take this target: any but a hybrid, and a hybrid on one
@@ -368,10 +370,21 @@ class LLMEngine:
         return not self.adaptive.speculates(seq)
 
     def _count_plain(self, chunks: list[Chunk]) -> None:
-        """The adaptive rule counts the plain rows of a step launched ahead (as `_spec_step` does its own)."""
+        """The adaptive rule counts the plain rows of a step launched ahead (as `_spec_step` does its own), once
+        it is launched: a probe that starts here makes the next step a speculative one, not this one."""
         if self.adaptive is not None:
             for c in chunks:
-                self.adaptive.plain_token(c.seq)
+                if not self.adaptive.speculates(c.seq):
+                    self.adaptive.plain_token(c.seq)
+
+    def _commit_ahead(self, c: Chunk, tokens: list[int], batch: int) -> StepOutput:
+        """A speculative step launched ahead: commit one row's verified tokens, as `_spec_step` does."""
+        assert self.adaptive is not None
+        if self.adaptive.speculates(c.seq):  # (not: the step before, resolved after this one launched, stopped it)
+            self.adaptive.observe(c.seq, len(tokens), batch)
+        n_before = len(c.seq.token_ids)
+        finished = self._commit_verified(c, tokens, None)
+        return StepOutput(c.seq, c.seq.token_ids[n_before:], finished)
 
     def _decode_start(self, seq: Sequence) -> int:
         assert self.adaptive is not None
@@ -623,8 +636,8 @@ class LLMEngine:
             t0 = time.perf_counter()
             chunks = ahead.next_chunks()
             if chunks is not None:  # the next step goes behind the one in flight, then that one is read
-                self._count_plain(chunks)
                 held = ahead.advance(chunks)
+                self._count_plain(chunks)
                 self.last_step = [(c.seq.seq_id, c.start, c.n) for c in chunks]
                 if self.on_launched is not None:
                     self.on_launched()
@@ -641,8 +654,8 @@ class LLMEngine:
         if not chunks:
             return outputs
         if ahead is not None and ahead.eligible(chunks):  # its tokens are read in the next step()
-            self._count_plain(chunks)
             ahead.launch(chunks)
+            self._count_plain(chunks)
             if self.on_launched is not None:
                 self.on_launched()
             return outputs

@@ -113,9 +113,16 @@ class StaticSpec:
         dev = self.device
         self.kpos = torch.arange(self.max_ctx + n, device=dev)
         # Each graph's per-sequence inputs, one packed buffer each (one host->device copy a replay).
-        # draft: the last token then mask tokens, the drafter context length, the block tables (verify's too) and
-        # a DDTree's chain depth (SpecDecoder.seed_depth)
-        self.draft_in = _Packed(b, {"ids": self.B, "start": 1, "tables": nb, "seed": 1}, dev)
+        # draft: the last token then mask tokens, the drafter context length, the block tables (verify's too),
+        # a DDTree's chain depth (SpecDecoder.seed_depth) and, for a step launched ahead, the row of the step
+        # before whose last token and start it takes from `carried` (-1: the host's)
+        self.draft_in = _Packed(b, {"ids": self.B, "start": 1, "tables": nb, "seed": 1, "carry": 1}, dev)
+        self.carried = torch.zeros(b, 2, dtype=torch.long, device=dev)  # a one-launch step's (last token, start)
+        # A one-launch step's result copied behind it ([tokens..., path length] a row), two buffers: a step
+        # launched ahead is read after the next one is queued (`launch`).
+        pinned = dev.type == "cuda"
+        self._results = [torch.zeros(b, n + 1, dtype=torch.long, pin_memory=pinned) for _ in range(2)]
+        self._copied = [torch.cuda.Event() if pinned else None for _ in range(2)]
         # verification: ids, positions, cache slots, DDTree ancestor-or-self bits, and a hybrid's state slot,
         # conv windows [n, kernel] and parent states (StateRows.fixed)
         verify = {"ids": n, "pos": n, "slots": n, "tree": n}
@@ -177,25 +184,42 @@ class StaticSpec:
 
     def _draft_fn(self, b: int, c: int) -> Callable[[], Any]:
         @torch.inference_mode()
-        def fn() -> Any:
-            pos = self.draft_in.view("start", b) + self.kpos[: self.B][None, :]
-            return self._draft(b, c, self._slots(b, pos), self.drafter.rotary(pos.flatten(), self.spec.kv.data.dtype))
+        def fn() -> Any:  # (three launches: never launched ahead, so the host's inputs, no `carried`)
+            ids, start = self.draft_in.view("ids", b), self.draft_in.view("start", b)
+            pos = start + self.kpos[: self.B][None, :]
+            return self._draft(b, c, ids, start, self._slots(b, pos),
+                               self.drafter.rotary(pos.flatten(), self.spec.kv.data.dtype))
 
         return fn
+
+    def _inputs(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The drafter block's ids [b, B] and starts [b, 1]: the host's, or for a row launched ahead (its
+        `carry` column >= 0) the last token and start that row of the step before wrote to `carried`."""
+        d = self.draft_in
+        ids, start, src = d.view("ids", b), d.view("start", b), d.view("carry", b)
+        took = src >= 0
+        prev = self.carried[src.clamp(min=0).flatten()]
+        return (torch.cat([torch.where(took, prev[:, :1], ids[:, :1]), ids[:, 1:]], 1),
+                torch.where(took, prev[:, 1:], start))
+
+    def _carry(self, b: int, last: torch.Tensor, start: torch.Tensor) -> None:
+        """A one-launch step's last committed tokens [b] and next starts [b], for a step launched behind it."""
+        self.carried[:b] = torch.stack([last, start], 1)
 
     def _slots(self, b: int, pos: torch.Tensor) -> torch.Tensor:
         """Cache slots [b, k] of positions [b, k] through the draft inputs' block tables (one table for the
         target and the drafter: their caches share the block layout)."""
         return self.draft_in.view("tables", b).gather(1, pos // self.page) * self.page + pos % self.page
 
-    def _draft(self, b: int, c: int, slots: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> Any:
-        """The drafter's pass over [b, B] block rows at `slots` with `rope` (their cos/sin): the argmax of each
-        drafted row, or the top-K (log-probabilities, tokens) for a tree."""
+    def _draft(self, b: int, c: int, ids: torch.Tensor, start: torch.Tensor, slots: torch.Tensor,
+               rope: tuple[torch.Tensor, torch.Tensor]) -> Any:
+        """The drafter's pass over [b, B] block rows `ids` from `start` [b, 1] at `slots` with `rope` (their
+        cos/sin): the argmax of each drafted row, or the top-K (log-probabilities, tokens) for a tree."""
         d, B = self.drafter, self.B
         kv = self.spec.kv.data
-        start = self.draft_in.view("start", b)[:, 0]
-        h = self.target.embed(self.draft_in.view("ids", b)).to(kv.dtype)
-        meta = block_metadata(self.draft_in.view("tables", b), start, B, self.page, c, d.cfg.sliding_window, slots)
+        h = self.target.embed(ids).to(kv.dtype)
+        meta = block_metadata(self.draft_in.view("tables", b), start[:, 0], B, self.page, c, d.cfg.sliding_window,
+                              slots)
         for i, layer in enumerate(d.layers):
             h = layer(h, rope, kv[i, 0], kv[i, 1], meta)
         logits = self.spec._head(d.norm(h[:, 1:]))
@@ -208,19 +232,19 @@ class StaticSpec:
         @torch.inference_mode()
         def fn() -> Any:
             v = self.verify_in
-            return self._verify(b, c, v.view("ids", b), v.view("pos", b), v.view("slots", b),
-                                v.view("tree", b).flatten() if self.spec.ddtree else None)
+            return self._verify(b, c, v.view("ids", b), self.draft_in.view("start", b), v.view("pos", b),
+                                v.view("slots", b), v.view("tree", b).flatten() if self.spec.ddtree else None)
 
         return fn
 
-    def _verify(self, b: int, c: int, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
+    def _verify(self, b: int, c: int, ids: torch.Tensor, start: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
                 tree: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-        """The target's pass over [b, n] verification rows: (logits, their argmax, the captured features)."""
+        """The target's pass over [b, n] verification rows from `start` [b, 1]: (logits, their argmax, the
+        captured features)."""
         n, cfg, v = self.N, self.target.cfg, self.verify_in
         window = cfg.sliding_window if cfg.has_sliding_layers else None
         pos = pos.flatten()
-        group = AttnGroup(0, b, n, c, self.draft_in.view("tables", b), self.draft_in.view("start", b)[:, 0] + n,
-                          pos, tree)
+        group = AttnGroup(0, b, n, c, self.draft_in.view("tables", b), start[:, 0] + n, pos, tree)
         meta = AttentionMetadata(slots.flatten(), self.page, [group], window)
         extra = {}
         if self.states is not None:  # every chunk a verification of n rows from its slot's state
@@ -279,20 +303,21 @@ class StaticSpec:
         def fn() -> Any:
             # The block's positions, slots (padding rows: scratch block 0) and the drafter's cos/sin, once: the
             # verification's n rows and the accepted rows' are the block's first n.
-            d = self.draft_in
-            bpos = d.view("start", b) + self.kpos[: self.B][None, :]
+            block, start = self._inputs(b)
+            bpos = start + self.kpos[: self.B][None, :]
             bslots = self._slots(b, bpos)
             cos, sin = self.drafter.rotary(bpos.flatten(), dtype)
-            drafts = self._draft(b, c, bslots, (cos, sin))
-            ids = torch.cat([d.view("ids", b)[:, :1], drafts[:, : n - 1]], 1)  # [b, n]: the last token + drafts
+            drafts = self._draft(b, c, block, start, bslots, (cos, sin))
+            ids = torch.cat([block[:, :1], drafts[:, : n - 1]], 1)  # [b, n]: the last token + drafts
             pos, slots = bpos[:, :n], bslots[:, :n]
-            _, best, feats = self._verify(b, c, ids, pos, slots, None)
+            _, best, feats = self._verify(b, c, ids, start, pos, slots, None)
             best = best.view(b, n)
             agreed = (ids[:, 1:] == best[:, :-1]).long().cumprod(1).sum(1)  # drafts accepted
             rows = torch.minimum(self.kpos[:n][None, :], agreed[:, None])
             sslot = self.verify_in.view("sslot", b)[:, 0] if self.states is not None else None
             rope = tuple(t.view(b, self.B, -1)[:, :n].reshape(b * n, -1) for t in (cos, sin))  # (views if n == B)
             self._extend(b, feats, rows, pos, slots, None, sslot, agreed, rope)  # a chain's path is in place: no moves
+            self._carry(b, best.gather(1, agreed[:, None])[:, 0], start[:, 0] + agreed + 1)
             return torch.cat([best, agreed[:, None] + 1], 1)
 
         return fn
@@ -302,20 +327,20 @@ class StaticSpec:
         (kernels/triton_tree.py), verified, walked (each node's token against its parent's argmax) and
         compacted. Returns [b, n + 1] as `_chain_fn` does: the target's argmax along the accepted path, then
         its length."""
-        draft, n = self._draft_fn(b, c), self.N
+        n, dtype = self.N, self.spec.kv.data.dtype
         rows = self.kpos[:n]
         trees = triton_tree.draft_trees if triton_tree.available(self.device) else _host_trees
 
         @torch.inference_mode()
         def fn() -> Any:
-            d = self.draft_in
-            lp, tok = draft()
-            nodes, parent, depth, bits = trees(lp, tok, n, d.view("seed", b)[:, 0])
-            ids = torch.cat([d.view("ids", b)[:, :1], nodes], 1)
-            start = d.view("start", b)
+            block, start = self._inputs(b)
+            bpos = start + self.kpos[: self.B][None, :]
+            lp, tok = self._draft(b, c, block, start, self._slots(b, bpos), self.drafter.rotary(bpos.flatten(), dtype))
+            nodes, parent, depth, bits = trees(lp, tok, n, self.draft_in.view("seed", b)[:, 0])
+            ids = torch.cat([block[:, :1], nodes], 1)
             spos = start + rows[None, :]  # row r's K/V goes to position start + r's slot, then compaction
             slots = self._slots(b, spos)
-            _, best, feats = self._verify(b, c, ids, start + depth, slots, bits.flatten())
+            _, best, feats = self._verify(b, c, ids, start, start + depth, slots, bits.flatten())
             best = best.view(b, n)
             wrong = ((ids != best.gather(1, parent)) & (rows > 0)).long() << rows  # a node the target would not pick
             on_path = (bits & wrong.sum(1, keepdim=True)) == 0  # siblings differ: the accepted nodes form one path
@@ -324,7 +349,9 @@ class StaticSpec:
             path = torch.where(rows < k, path, path.gather(1, k - 1))  # the last accepted row repeated
             src = torch.where(rows < k, slots.gather(1, path), slots)
             self._extend(b, feats, path, spos, slots, (src.flatten(), slots.flatten()), None, None)
-            return torch.cat([best.gather(1, path), k], 1)
+            tokens = best.gather(1, path)
+            self._carry(b, tokens.gather(1, k - 1)[:, 0], start[:, 0] + k[:, 0])
+            return torch.cat([tokens, k], 1)
 
         return fn
 
@@ -340,7 +367,7 @@ class StaticSpec:
             # The eager runs before a capture execute the body: the bookkeeping's (its moves of KV rows are not
             # idempotent, and a hybrid's state slots are written) then points at scratch slot 0 and block 0, and
             # its inputs are put back after.
-            fused = [self.draft_in.dev, self.verify_in.dev]
+            fused = [self.draft_in.dev, self.verify_in.dev, self.carried]
             inputs = {"extend": [self.extend_in.dev], "chain": fused, "tree": fused}.get(kind, [])
             inputs = inputs if self.device.type == "cuda" else []
             held = [t.clone() for t in inputs]
@@ -373,16 +400,10 @@ class StaticSpec:
         b, c = buckets
         g = len(chunks)
         # 1. draft
-        d = self.draft_in
-        ids = d.host("ids")
-        ids[:b] = self.drafter.cfg.mask_token_id
-        ids[:g, 0] = [ch.seq.token_ids[ch.start] for ch in chunks]
-        d.host("start")[:b, 0] = _pad([ch.start for ch in chunks], b)
-        d.host("tables")[:b] = pad_tables([ch.seq.block_table for ch in chunks], self.max_ctx // self.page, b)
-        seeds = [spec.seed_depth(ch.seq) for ch in chunks] if self.K > 1 else []
-        d.host("seed")[:b, 0] = _pad(seeds, b) if seeds else 0
         if argmax and self.fused and self.one_launch:
-            return self._one_launch_step(chunks, b, c)
+            return self.finish(chunks, self.launch(chunks)())
+        d = self.draft_in
+        seeds = self._fill_draft(chunks, b)
         d.send(b)
         out = self._graph("draft", b, c)()
         verify: list[Chunk] = []
@@ -445,19 +466,65 @@ class StaticSpec:
             ch.seq.draft_len = ch.start + n_path
         return committed
 
-    def _one_launch_step(self, chunks: list[Chunk], b: int, c: int) -> list[list[int]]:
-        """A greedy chain or tree step (draft inputs filled): one replay, one read-back."""
+    def _fill_draft(self, chunks: list[Chunk], b: int) -> list[int]:
+        """Write the draft inputs of `chunks` in the host mirror (the other one than the last step's); returns a
+        DDTree's seed depths. A chunk launched ahead (`carry` >= 0) has only a bound for its start: its tables
+        cover that bound, and the graph takes its token and start from the step before."""
+        d = self.draft_in
+        d.flip()
+        ids = d.host("ids")
+        ids[:b] = self.drafter.cfg.mask_token_id
+        ids[: len(chunks), 0] = [0 if ch.carry >= 0 else ch.seq.token_ids[ch.start] for ch in chunks]
+        d.host("start")[:b, 0] = _pad([ch.start for ch in chunks], b)
+        d.host("tables")[:b] = pad_tables([ch.seq.block_table for ch in chunks], self.max_ctx // self.page, b)
+        seeds = [self.spec.seed_depth(ch.seq) for ch in chunks] if self.K > 1 else []
+        d.host("seed")[:b, 0] = _pad(seeds, b) if seeds else 0
+        d.host("carry")[:b, 0] = -1
+        d.host("carry")[: len(chunks), 0] = [ch.carry for ch in chunks]
+        return seeds
+
+    def launches(self, chunks: list[Chunk]) -> bool:
+        """Whether `launch` takes these greedy decode chunks: a one-launch step and a bucket for them (a
+        hybrid's states are laid out by the host each step: never launched ahead)."""
+        ctx = max(ch.start + max(self.N, self.B) for ch in chunks)
+        return (self.fused is not None and self.one_launch and self.states is None
+                and self.buckets_for(len(chunks), ctx) is not None)
+
+    def launch(self, chunks: list[Chunk]) -> Callable[[], list[list[int]]]:
+        """Queue a greedy one-launch step (chain or tree) and the copy of its result behind it; returns what
+        waits for that copy and reads each chunk's row, [tokens..., path length] (then `finish`). Nothing on
+        the host waits here, so the engine can queue the next step (runtime/ahead.py) before reading this
+        one: its rows launched ahead read this one's last tokens and starts on the device."""
         g, n = len(chunks), self.N
+        ctx = max(ch.start + max(n, self.B) for ch in chunks)
+        buckets = self.buckets_for(g, ctx)
+        assert buckets is not None, "the caller checked the bucket (launches)"
+        b, c = buckets
+        self._fill_draft(chunks, b)
         self.draft_in.send(b)
         if self.states is not None:
             v = self.verify_in
             v.np[:b] = 0
             self._fill_states([Chunk(ch.seq, ch.start, n) for ch in chunks], b)
             v.send(b)
-        out = self._graph(self.fused, b, c)()[:g].tolist()  # the step's one device->host read: [tokens..., n_path]
+        out = self._graph(self.fused, b, c)()
+        turn = self.draft_in.turn
+        result, copied = self._results[turn], self._copied[turn]
+        result[:b].copy_(out, non_blocking=True)
+        if copied is not None:
+            copied.record()
         self.spec.stats.drafted += g * (n - 1)
+
+        def read() -> list[list[int]]:  # before this buffer's next use: two launches later
+            if copied is not None:
+                copied.synchronize()
+            return result[:g].tolist()
+        return read
+
+    def finish(self, chunks: list[Chunk], rows: list[list[int]]) -> list[list[int]]:
+        """A one-launch step's bookkeeping from its rows (`launch`): each chunk's committed tokens."""
         committed = []
-        for ch, row in zip(chunks, out):
+        for ch, row in zip(chunks, rows):
             k = row[-1]
             self.spec.record(ch.seq, ch.start, k)
             ch.seq.draft_len = ch.start + k
@@ -514,13 +581,17 @@ def _pad(values: list[int], b: int) -> np.ndarray:
 class _Packed:
     """One graph's per-sequence int64 inputs: named column ranges of a [batch, width] device tensor, written on
     the host into a mirror (pinned on CUDA) and sent with one copy of the bucket's rows before a replay.
-    The mirror is rewritten only after the step's next read-back, so the copy has run by then."""
+    A mirror is rewritten only after the step's next read-back, so its copy has run by then; the draft inputs
+    alternate between two (`flip`), as a step launched ahead is read only after the next is queued."""
 
     def __init__(self, rows: int, fields: dict[str, int], device: torch.device) -> None:
         width = sum(fields.values())
         self.dev = torch.zeros(rows, width, dtype=torch.long, device=device)
-        self.pinned = torch.zeros(rows, width, dtype=torch.long, pin_memory=device.type == "cuda")
-        self.np = self.pinned.numpy()
+        self.mirrors = [torch.zeros(rows, width, dtype=torch.long, pin_memory=device.type == "cuda")
+                        for _ in range(2)]
+        self.nps = [m.numpy() for m in self.mirrors]
+        self.turn = 0
+        self.pinned, self.np = self.mirrors[0], self.nps[0]
         self.cols: dict[str, slice] = {}
         at = 0
         for name, w in fields.items():
@@ -537,3 +608,9 @@ class _Packed:
 
     def send(self, b: int) -> None:
         self.dev[:b].copy_(self.pinned[:b], non_blocking=True)
+
+    def flip(self) -> None:
+        """Write the other mirror from now on: with a step launched ahead, the last one's copy may not have
+        run yet when the next is filled (the one before it has: its result was read since)."""
+        self.turn ^= 1
+        self.pinned, self.np = self.mirrors[self.turn], self.nps[self.turn]
