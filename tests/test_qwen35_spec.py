@@ -95,7 +95,7 @@ class KnowingStatic(StaticSpec):
         self.chunks = chunks
         return super().step(chunks, chooser, argmax)
 
-    def _draft(self, b: int, c: int, slots, rope):
+    def _draft(self, b: int, c: int, ids, start, slots, rope):
         lp = torch.full((b, self.B - 1, self.drafter.cfg.vocab_size), -30.0)
         lp[:len(self.chunks)] = self.spec.draft_logprobs(self.chunks)
         return lp.argmax(-1) if self.K == 1 else tuple(lp.topk(self.K, dim=-1))

@@ -13,6 +13,7 @@ Cost: one server per (drafter mode, cache config), 12-token replies.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,7 @@ SYSTEM = ("You are the assistant of a small hardware shop. You answer questions 
           "hours are nine to six on weekdays and nine to one on Saturdays; the shop is closed on Sundays.")
 TOPICS = {"off": "which screws hold a shelf", "gpu": "how to paint a fence", "ram": "what a spirit level is for",
           "disk": "how to store garden hoses", "b0": "what glue fixes a chair", "b1": "how to sharpen a saw",
-          "b2": "which nails suit pine", "b3": "what a stud finder does"}
+          "b2": "which nails suit pine", "b3": "what a stud finder does", "hangup": "how to oil a hinge"}
 
 
 def first_turn(topic: str) -> list[dict[str, str]]:
@@ -220,6 +221,45 @@ def test_batched_conversations(servers, reference):
             check(replies[i], wants[i][turn], before, after, servers.mode)
         assert delta(before, after, "gpu", "restored_tokens") > 0  # the shared system prompt, then the turns
         assert min(replies[i].cached for i in range(4)) > 0
+
+
+def test_streams_hung_up_mid_reply_leak_nothing(servers, reference):
+    """Six streamed first turns at once, every other one hung up after its first delta (its next step may be in
+    flight: runtime/ahead.py): the engine notices, goes idle with no block held but the cache's, the others
+    get plain decoding's text, and the conversation's second turn is served from the cache with its text."""
+    topic = TOPICS["hangup"]
+    want1, want2 = reference.turns(topic)
+    server = servers.cached
+    eng = server.ctx.engine
+    disconnects = eng.num_disconnects
+    client = openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0, timeout=300)
+    texts: dict[int, str] = {}
+
+    def one(i: int) -> None:
+        stream = client.chat.completions.create(model="x", messages=first_turn(topic), max_tokens=MAX_TOKENS,
+                                                temperature=0, stream=True)
+        text = ""
+        for chunk in stream:
+            text += (chunk.choices[0].delta.content or "") if chunk.choices else ""
+            if text and i % 2:
+                stream.close()
+                return
+        texts[i] = text
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    deadline = time.monotonic() + 60
+    while eng.num_running or eng.num_waiting or eng.engine.blocks_in_use:
+        assert time.monotonic() < deadline, "the engine did not go idle after the hang-ups"
+        time.sleep(0.05)
+    assert eng.num_disconnects > disconnects, "no hang-up was noticed"
+    assert texts == {0: want1, 2: want1, 4: want1}
+    reply, before, after = served(server, second_turn(topic, want1), stream=True)
+    check(reply, want2, before, after, servers.mode)
+    assert reply.cached > 0
 
 
 def test_disk_tier_after_restart(servers, reference, smollm2_path):
