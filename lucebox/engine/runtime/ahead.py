@@ -82,7 +82,7 @@ class Ahead:
         # With a drafter: whether a sequence decodes plainly now; the fixed-shape steps that launch speculating
         # rows, and what commits a verified row's tokens (LLMEngine._commit_ahead: chunk, tokens, batch).
         self.plainly = plainly
-        self.static = static if commit is not None else None
+        self.static = static
         self.commit = commit
         self.kv = runner.kv
         self.inflight: Launched | None = None
@@ -108,7 +108,9 @@ class Ahead:
         """Every row speculates from its drafter context's end (a row launched ahead: by construction), and
         one launch takes them all."""
         assert self.plainly is not None
-        if self.static is None or any(self.plainly(c.seq) or c.seq.hold_at is not None for c in chunks):
+        if self.static is None or self.commit is None:
+            return False
+        if any(self.plainly(c.seq) or c.seq.hold_at is not None for c in chunks):
             return False
         return all(c.carry >= 0 or c.seq.draft_len == c.start for c in chunks) and self.static.launches(chunks)
 
