@@ -42,9 +42,9 @@ def matrices(shape_name: str, vocab: int) -> list[tuple[str, int, int]]:
 
 def sweep_configs(qtype: str) -> list[tuple]:
     """The int8 gemv launch configs `--sweep` tries: (BN, NB, warps, split, "q8x") with BN * NB (row, super-block)
-    pairs a step, at least one per thread of the program and at most 512."""
-    grid = itertools.product((4, 8, 16, 32), (1, 2, 4, 8, 16), (1, 2, 4), (1, 2))
-    return [(bn, nb, warps, split, "q8x") for bn, nb, warps, split in grid if 32 * warps <= bn * nb <= 512]
+    pairs a step (each spread over 8 threads for Q4_K, 4 for Q6_K), at least 8 per warp and at most 128."""
+    grid = itertools.product((1, 2, 4, 8, 16), (2, 4, 8, 16), (1, 2, 4), (1, 2))
+    return [(bn, nb, warps, split, "q8x") for bn, nb, warps, split in grid if 8 * warps <= bn * nb <= 128]
 
 
 def _ints(text: str) -> list[int]:

@@ -529,12 +529,6 @@ def _ifloat(v):
 
 
 @triton.jit
-def _pick(v, k, i: tl.constexpr):
-    """Element i of each thread's 4-vector v [R, 4] (k = arange(4)[None, :]), as [R, 1]: an in-thread sum."""
-    return tl.sum(tl.where(k == i, v, 0), axis=1, keep_dims=True)
-
-
-@triton.jit
 def q8_store(ws_ptr, x, blk, half, col, K):
     """Write rows' values x [B, 2, 16] (fp32, at columns col = blk * 32 + half * 16 + j, blk [B, 1, 1], half
     [1, 2, 1]) into their int8 workspace at ws_ptr (K columns): per 32-column block the int8 values (absmax
@@ -653,46 +647,43 @@ def _pair(ws_ptr, y_ptr, ids_ptr, P, N, K, stride_y, w2_off, X_PER_ROW: tl.const
 def _gemv_q4k_q8x_kernel(ws_ptr, w_ptr, b_ptr, y_ptr, N, K, n_split, row_bytes, ids_ptr, P, stride_y, w2_off,
                          X_PER_ROW: tl.constexpr, MOE: tl.constexpr, HAS_BIAS: tl.constexpr,
                          PARTIAL: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, ASM: tl.constexpr):
-    """One row of a Q4_K weight against the int8 workspace: BN rows x NB super-blocks a step, one (row,
-    super-block) pair a thread. Per 32-column sub-block, 8 dp4a (2 vectors) summed in registers, times
-    d * scale * dx, less dmin * min * (exact sum of x). Programs and splits as _gemv_words_kernel; MOE:
-    one pair of routed experts a program_id(2) (see _pair)."""
+    """One row of a Q4_K weight against the int8 workspace, BN rows x NB super-blocks a step, a super-block's
+    128 bytes of nibbles spread over 8 threads (tile [BN * NB, 4 chunks, 8 words]: a warp's loads are whole
+    128-byte runs of a row). Per 32-column sub-block 8 dp4a summed, times d * scale * dx, less dmin * min * (exact
+    sum of x). Each of a block's threads loads its 16-byte header (one transaction: the same address). Programs
+    and splits as _gemv_words_kernel; MOE: one pair of routed experts a program_id(2) (see _pair). One thread a
+    super-block (loads 144 bytes apart) ran 1.04-1.11x slower over Qwen3-8B's Q4_K matrices (H100, 2026-12-07)."""
     R: tl.constexpr = BN * NB
-    r = tl.arange(0, R)
+    r = tl.arange(0, R)[:, None, None]
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     n_mask = rn < N
-    k = tl.arange(0, 4)[None, :]
+    ci = tl.arange(0, 4)[None, :, None]
+    wi = tl.arange(0, 8)[None, None, :]
     lo = tl.program_id(1) * n_split
     ws_ptr, y_ptr, row0, w_off = _pair(ws_ptr, y_ptr, ids_ptr, P, N, K, stride_y, w2_off, X_PER_ROW, MOE)
     rows = row0 + tl.minimum(tl.program_id(0) * BN + r // NB, N - 1).to(tl.int64)
-    row = (w_ptr + w_off).to(tl.pointer_type(tl.int32)) + (rows * row_bytes)[:, None] // 4  # [R, 1]: 144-byte blocks
+    w32 = (w_ptr + w_off).to(tl.pointer_type(tl.int32))
+    row = rows * (row_bytes // 4)  # [R, 1, 1] word offsets of rows of 36-word blocks
     dxp = (ws_ptr + K // 4).to(tl.pointer_type(tl.float32))
     sxp = (ws_ptr + K // 4 + K // 32).to(tl.pointer_type(tl.float32))
-    acc = tl.zeros((R, 1), dtype=tl.float32)
+    acc = tl.zeros((R, 4, 1), dtype=tl.float32)
     for g in range(lo, lo + n_split, NB):
-        sb = (g + r % NB)[:, None]  # [R, 1]
-        base = row + sb * 36
-        hdr = tl.load(base + k)  # d | dmin, then the 12 bytes of 6-bit scales and mins
-        w0 = _pick(hdr, k, 0)
-        s0 = _pick(hdr, k, 1)
-        s1 = _pick(hdr, k, 2)
-        s2 = _pick(hdr, k, 3)
+        sb = g + r % NB  # [R, 1, 1]
+        base = w32 + row + sb * 36
+        quad = (row + sb * 36 + 4) >> 2  # the nibbles' 16-byte unit: x 4 tells the compiler they are aligned
+        q = tl.load(w32 + quad * 4 + ci * 8 + wi)  # chunk ci: sub-blocks 2ci (low nibbles), 2ci + 1 (high)
+        xw = sb * 64 + ci * 16 + wi  # x word of the low nibbles' columns sb*256 + 64ci + 4wi
+        i0 = tl.sum(_dp4a(q & 0x0F0F0F0F, tl.load(ws_ptr + xw), ASM), axis=2, keep_dims=True)
+        i1 = tl.sum(_dp4a((q >> 4) & 0x0F0F0F0F, tl.load(ws_ptr + xw + 8), ASM), axis=2, keep_dims=True)
+        w0 = tl.load(base)
         d = _h16(w0, 0)
         dmin = _h16(w0, 16)
-        for ci in tl.static_range(4):  # chunk ci: 32 bytes, sub-blocks 2ci (low nibbles) and 2ci + 1 (high)
-            sc0, mn0, sc1, mn1 = _q4k_chunk_scales(s0, s1, s2, ci)
-            qa = tl.load(base + 4 + ci * 8 + k)
-            qb = tl.load(base + 8 + ci * 8 + k)
-            xw = sb * 64 + ci * 16 + k  # x word of column sb*256 + 64ci + 4k
-            i0 = tl.sum(_dp4a(qa & 0x0F0F0F0F, tl.load(ws_ptr + xw), ASM)
-                        + _dp4a(qb & 0x0F0F0F0F, tl.load(ws_ptr + xw + 4), ASM), axis=1, keep_dims=True)
-            i1 = tl.sum(_dp4a((qa >> 4) & 0x0F0F0F0F, tl.load(ws_ptr + xw + 8), ASM)
-                        + _dp4a((qb >> 4) & 0x0F0F0F0F, tl.load(ws_ptr + xw + 12), ASM), axis=1, keep_dims=True)
-            sub = sb * 8 + 2 * ci
-            acc += d * (_ifloat(sc0) * tl.load(dxp + sub) * _ifloat(i0)
-                        + _ifloat(sc1) * tl.load(dxp + sub + 1) * _ifloat(i1))
-            acc -= dmin * (_ifloat(mn0) * tl.load(sxp + sub) + _ifloat(mn1) * tl.load(sxp + sub + 1))
-    y = tl.sum(tl.reshape(acc, (BN, NB)), axis=1)
+        sc0, mn0, sc1, mn1 = _q4k_lane_scales(tl.load(base + 1), tl.load(base + 2), tl.load(base + 3), ci)
+        sub = sb * 8 + 2 * ci
+        acc += d * (_ifloat(sc0) * tl.load(dxp + sub) * _ifloat(i0) + _ifloat(sc1) * tl.load(dxp + sub + 1)
+                    * _ifloat(i1))
+        acc -= dmin * (_ifloat(mn0) * tl.load(sxp + sub) + _ifloat(mn1) * tl.load(sxp + sub + 1))
+    y = tl.sum(tl.reshape(tl.sum(tl.sum(acc, axis=2), axis=1), (BN, NB)), axis=1)
     _store_rows(y_ptr, b_ptr, y, rn, n_mask, N, HAS_BIAS, PARTIAL)
 
 
@@ -700,51 +691,53 @@ def _gemv_q4k_q8x_kernel(ws_ptr, w_ptr, b_ptr, y_ptr, N, K, n_split, row_bytes, 
 def _gemv_q6k_q8x_kernel(ws_ptr, w_ptr, b_ptr, y_ptr, N, K, n_split, row_bytes, ids_ptr, P, stride_y, w2_off,
                          X_PER_ROW: tl.constexpr, MOE: tl.constexpr, HAS_BIAS: tl.constexpr,
                          PARTIAL: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, ASM: tl.constexpr):
-    """One row of a Q6_K weight against the int8 workspace, one (row, super-block) pair a thread (words
-    funnel-shifted: every other 210-byte block starts 2 bytes into a word). Element 128h + 32g + 16a + 4k + b
-    of a block is nibble g >> 1 of ql byte 64h + 32(g & 1) + 16a + 4k + b with bits 2g..2g+1 of qh byte
-    32h + 16a + 4k + b; per 16 columns 4 dp4a summed in registers, less 32 x the int8 sum, times
-    d * scale * dx. Programs and splits as _gemv_words_kernel; MOE as _gemv_q4k_q8x_kernel. A row may start 2
-    bytes into a word (an odd number of blocks a row): its blocks' offsets `st` carry those 2 bytes."""
+    """One row of a Q6_K weight against the int8 workspace, a super-block spread over 4 threads, one quarter (h, a)
+    each (tile [BN * NB, 4 quarters, 4 words]). Element 128h + 32g + 16a + 4k + b of a block is nibble g >> 1 of
+    ql byte 64h + 32(g & 1) + 16a + 4k + b with bits 2g..2g+1 of qh byte 32h + 16a + 4k + b; per 16 columns 4
+    dp4a summed, less 32 x the int8 sum, times d * scale * dx. Words are funnel-shifted (_vword): every other
+    210-byte block starts 2 bytes into a word, as does a row of an odd number of blocks; the scales and d are
+    read as bytes and fp16. Programs and splits as _gemv_words_kernel; MOE as _gemv_q4k_q8x_kernel. One thread a
+    super-block ran 1.13-1.27x slower over Qwen3-8B's Q6_K matrices (H100, 2026-12-07)."""
     R: tl.constexpr = BN * NB
-    r = tl.arange(0, R)
+    r = tl.arange(0, R)[:, None, None]
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     n_mask = rn < N
+    hq = tl.arange(0, 4)[None, :, None]  # quarter 2h + a
+    h = hq >> 1
+    a = hq & 1
+    k = tl.arange(0, 4)[None, None, :]
     ws_ptr, y_ptr, row0, w_off = _pair(ws_ptr, y_ptr, ids_ptr, P, N, K, stride_y, w2_off, X_PER_ROW, MOE)
     rows = row0 + tl.minimum(tl.program_id(0) * BN + r // NB, N - 1).to(tl.int64)
-    roff = (rows * row_bytes)[:, None]  # [R, 1]
+    roff = rows * row_bytes  # [R, 1, 1]
     row = (w_ptr + w_off).to(tl.pointer_type(tl.int32)) + roff // 4
-    k = tl.arange(0, 4)[None, :]
+    wb = w_ptr + w_off + roff
     lo = tl.program_id(1) * n_split
     dxp = (ws_ptr + K // 4).to(tl.pointer_type(tl.float32))
     sqp = ws_ptr + K // 4 + K // 16
-    acc = tl.zeros((R, 1), dtype=tl.float32)
+    acc = tl.zeros((R, 4, 1), dtype=tl.float32)
     for g in range(lo, lo + n_split, NB):
-        sb = (g + r % NB)[:, None]  # [R, 1]
+        sb = g + r % NB  # [R, 1, 1]
         st = (roff & 2) + sb * 210
-        d = _h16w(tl.load(row + (st >> 2) + 52), (st & 2) != 0)
-        scw = _vword(row, st, 48 + k)  # the 16 int8 scales
-        for h in tl.static_range(2):
-            for a in tl.static_range(2):
-                qla = _vword(row, st, 16 * h + 4 * a + k)
-                qlb = _vword(row, st, 16 * h + 8 + 4 * a + k)
-                qhv = _vword(row, st, 32 + 8 * h + 4 * a + k)
-                for gq in tl.static_range(4):
-                    if gq == 0:
-                        u = (qla & 0x0F0F0F0F) | ((qhv << 4) & 0x30303030)
-                    elif gq == 1:
-                        u = (qlb & 0x0F0F0F0F) | ((qhv << 2) & 0x30303030)
-                    elif gq == 2:
-                        u = ((qla >> 4) & 0x0F0F0F0F) | (qhv & 0x30303030)
-                    else:
-                        u = ((qlb >> 4) & 0x0F0F0F0F) | ((qhv >> 2) & 0x30303030)
-                    xw = sb * 64 + h * 32 + 8 * gq + 4 * a + k
-                    dot = (tl.sum(_dp4a(u, tl.load(ws_ptr + xw), ASM), axis=1, keep_dims=True)
-                           - 32 * tl.load(sqp + sb * 16 + h * 8 + 2 * gq + a))
-                    i = 8 * h + 2 * gq + a  # scale byte
-                    sc = (_pick(scw, k, i // 4) << (24 - 8 * (i % 4))) >> 24
-                    acc += (d * tl.load(dxp + sb * 8 + h * 4 + gq)) * (_ifloat(sc) * _ifloat(dot))
-    y = tl.sum(tl.reshape(acc, (BN, NB)), axis=1)
+        blk = wb + sb * 210
+        d = tl.load((blk + 208).to(tl.pointer_type(tl.float16))).to(tl.float32)
+        qla = _vword(row, st, 16 * h + 4 * a + k)
+        qlb = _vword(row, st, 16 * h + 8 + 4 * a + k)
+        qhv = _vword(row, st, 32 + 8 * h + 4 * a + k)
+        for gq in tl.static_range(4):
+            if gq == 0:
+                u = (qla & 0x0F0F0F0F) | ((qhv << 4) & 0x30303030)
+            elif gq == 1:
+                u = (qlb & 0x0F0F0F0F) | ((qhv << 2) & 0x30303030)
+            elif gq == 2:
+                u = ((qla >> 4) & 0x0F0F0F0F) | (qhv & 0x30303030)
+            else:
+                u = ((qlb >> 4) & 0x0F0F0F0F) | ((qhv >> 2) & 0x30303030)
+            xw = sb * 64 + h * 32 + 8 * gq + 4 * a + k
+            dot = (tl.sum(_dp4a(u, tl.load(ws_ptr + xw), ASM), axis=2, keep_dims=True)
+                   - 32 * tl.load(sqp + sb * 16 + h * 8 + 2 * gq + a))
+            sc = tl.load((blk + 192 + 8 * h + 2 * gq + a).to(tl.pointer_type(tl.int8))).to(tl.int32)
+            acc += (d * tl.load(dxp + sb * 8 + h * 4 + gq)) * (_ifloat(sc) * _ifloat(dot))
+    y = tl.sum(tl.reshape(tl.sum(tl.sum(acc, axis=2), axis=1), (BN, NB)), axis=1)
     _store_rows(y_ptr, b_ptr, y, rn, n_mask, N, HAS_BIAS, PARTIAL)
 
 
@@ -1023,21 +1016,19 @@ GEMV_DEFAULT = {"Q4_K": (16, 1, 4, 4), "Q6_K": (8, 2, 4, 4), "Q8_0": (8, 2, 4, 1
 SMALL_DEFAULT = {"Q4_K": (64, 1, 4, 4), "Q6_K": (64, 1, 4, 4), "Q8_0": (64, 1, 4, 4)}
 GEMV_CANDIDATES = [(16, 1, 4, 4), (16, 1, 2, 4), (8, 2, 4, 4), (8, 2, 4, 1), (16, 1, 4, 1), (4, 2, 4, 1)]
 # The int8-activation gemvs (BN, NB, warps, split, "q8x"), tried beside the float ones and kept where faster. For
-# Q4_K / Q6_K, BN * NB is the number of (row, super-block) pairs a step, one a thread.
+# Q4_K / Q6_K, BN * NB is the number of (row, super-block) pairs a step, 8 / 4 threads each. The K-quants' are the
+# configs within 2% of the best of a 76-config sweep on some Qwen3-8B matrix (H100, 2026-12-07, `time_candidates`
+# as the tuner times them: one row, CUDA graphs, quant_x and split sums included): Q4_K 4096x4096 6.4 us,
+# 1024x4096 4.3, 24576x4096 27.1 (70% of copy bandwidth), 4096x12288 12.6 (75%); Q6_K 1024x4096 5.5, 4096x12288
+# 22.9, 151936x4096 202 (85%).
 Q8X_CANDIDATES = {
-    "Q4_K": [(32, 4, 4, 1, "q8x"), (64, 2, 4, 1, "q8x"), (16, 8, 4, 1, "q8x"), (8, 16, 4, 1, "q8x"),
-             (16, 4, 2, 1, "q8x"), (8, 8, 2, 1, "q8x"), (4, 16, 2, 1, "q8x"), (4, 8, 1, 1, "q8x"),
-             (16, 8, 4, 2, "q8x"), (32, 4, 4, 2, "q8x"), (8, 8, 2, 2, "q8x"), (64, 2, 4, 4, "q8x")],
+    "Q4_K": [(4, 16, 1, 2, "q8x"), (4, 16, 1, 1, "q8x"), (8, 16, 2, 2, "q8x"), (8, 16, 1, 1, "q8x"),
+             (8, 16, 1, 2, "q8x"), (2, 4, 1, 1, "q8x"), (4, 2, 1, 1, "q8x"), (1, 8, 1, 1, "q8x")],
+    "Q6_K": [(2, 4, 1, 1, "q8x"), (2, 4, 1, 2, "q8x"), (4, 2, 1, 1, "q8x"), (4, 2, 1, 2, "q8x"), (1, 8, 1, 1, "q8x"),
+             (1, 16, 1, 2, "q8x"), (4, 4, 1, 2, "q8x")],
     "Q8_0": [(4, 2, 4, 1, "q8x"), (2, 4, 4, 1, "q8x"), (4, 4, 4, 1, "q8x"), (8, 2, 4, 1, "q8x"), (8, 1, 4, 4, "q8x"),
              (16, 1, 4, 4, "q8x")],
 }
-Q8X_CANDIDATES["Q6_K"] = list(Q8X_CANDIDATES["Q4_K"])
-# Q4_K also tries the winners of a 60-config sweep per Qwen3-8B matrix (H200, 2026-12-04, `time_candidates` as the
-# tuner times them: one row, CUDA graphs, quant_x and split sums included): 4096x4096 6.5 us, 1024x4096 4.6,
-# 24576x4096 22.7, 4096x12288 13.6, against 8.5 / 4.9 / 28.0 / 15.8 for the best of the configs above. Q6_K's sweep
-# gained 6% at most (4096x12288: 24.7 against 26.3 us) and its kernel compiles ~2.5 s a config: not added there.
-Q8X_CANDIDATES["Q4_K"] += [(32, 16, 4, 1, "q8x"), (16, 16, 2, 1, "q8x"), (16, 16, 2, 2, "q8x"), (4, 16, 1, 1, "q8x"),
-                           (32, 8, 2, 1, "q8x"), (16, 8, 1, 1, "q8x")]
 INT8_VARIANTS = ("q8x",)  # the configs' fifth element where the kernel reads x as its int8 workspace
 SMALL_CANDIDATES = [(64, 1, 4, 4), (64, 1, 4, 1), (64, 1, 4, 8), (32, 1, 4, 4)]
 # The int8 tensor-core small-batch kernels (Q4_K, Q6_K, Q8_0): (BN, 1, warps, split, "q8x").
@@ -1137,11 +1128,12 @@ def _launch_words(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None, ou
                                                       HAS_BIAS=bias is not None, BLOCK=1024, num_warps=4)
 
 
-# The routed experts' per-pair gemvs (pair_gemv): (BN, NB, num_warps) by type. The K-quants' is the fastest of 25
-# configs on the H200 over Qwen3-30B-A3B's experts (gate and up 768 x 2048 Q4_K, down 2048 x 768 Q4_K or Q6_K; 1, 2
-# and 4 rows, CUDA graphs: 18.3 us for a row's 8 experts, 1.16 TB/s; 46.8 us for 4 rows, 1.64 TB/s). Q8_0's is the
+# The routed experts' per-pair gemvs (pair_gemv): (BN, NB, num_warps) by type. The K-quants' is the fastest of 4
+# configs on Qwen3-30B-A3B's experts (gate and up 768 x 2048 Q4_K, down 2048 x 768 Q4_K or Q6_K; `bench moe`, 1 and 4
+# rows, CUDA graphs, H100, 2026-12-07): 16.3 / 46.0 us (down Q4_K) and 19.0 / 54.4 us (Q6_K), against 16.9 / 48.5
+# and 19.2 / 57.5 for the one-thread-a-super-block kernels at their (16, 8, 1) in the same lease. Q8_0's is the
 # dense gemv's default, not measured for experts.
-PAIR_CONFIG = {"Q4_K": (16, 8, 1), "Q6_K": (16, 8, 1), "Q8_0": (8, 2, 4)}
+PAIR_CONFIG = {"Q4_K": (8, 4, 1), "Q6_K": (8, 4, 1), "Q8_0": (8, 2, 4)}
 
 
 def pair_ok(w: object) -> bool:
