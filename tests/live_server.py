@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,18 @@ class LiveServer:
     @property
     def base_url(self) -> str:
         return self.url + "/v1"
+
+    def wait_idle(self, timeout: float = 30) -> None:
+        """Wait until the engine holds nothing: no request running, waiting or streaming, no KV block but the
+        prefix cache's (generations of earlier tests, or aborted ones, drain first). Fails after `timeout`
+        seconds: a stuck request or a leaked block."""
+        eng = self.ctx.engine
+        deadline = time.monotonic() + timeout
+        while eng.num_running or eng.num_waiting or eng._active or eng.engine.blocks_in_use:
+            assert time.monotonic() < deadline, (
+                f"the engine did not go idle in {timeout} s: {eng.num_running} running, {eng.num_waiting} waiting, "
+                f"{len(eng._active)} streaming, {eng.engine.blocks_in_use} KV blocks held")
+            time.sleep(0.02)
 
     def stop(self) -> None:
         """Stop serving and give the memory back: the context (engine, weights, KV) is dropped, so a test

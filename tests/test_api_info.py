@@ -157,15 +157,6 @@ def run_on_loop(server: Any, coro: Any, timeout: float = 120) -> Any:
     return asyncio.run_coroutine_threadsafe(coro, server.loop).result(timeout)
 
 
-def wait_idle(server: Any, timeout: float = 30) -> None:
-    """Let generations of earlier tests (other files share `live_server`) drain first."""
-    eng = server.ctx.engine
-    deadline = time.monotonic() + timeout
-    while eng.num_running or eng.num_waiting or eng.engine.blocks_in_use:
-        assert time.monotonic() < deadline, "the engine did not go idle"
-        time.sleep(0.05)
-
-
 async def generate(ctx: ServerContext, req: ChatRequest) -> GenerationRun:
     run = await GenerationRun.start(ctx, req)
     await run.collect()
@@ -409,7 +400,7 @@ def test_long_text_does_not_block_the_loop(live_server, monkeypatch):
 
 def test_props(live_server):
     ctx = live_server.ctx
-    wait_idle(live_server)
+    live_server.wait_idle()
     reply = call(live_server.url, "GET", "/props")
     assert reply.status == 200
     props = reply.json()
@@ -593,7 +584,7 @@ def test_strict_parser_rejects_bad_exposition():
 
 def test_metrics_count_a_generation(live_server):
     ctx = live_server.ctx
-    wait_idle(live_server)
+    live_server.wait_idle()
     before = scrape(live_server.url)
     req = ChatRequest(messages=[{"role": "user", "content": "Count to five."}], max_tokens=8,
                       params=SamplingParams(temperature=0.0))
@@ -655,7 +646,7 @@ def test_status_page_is_self_contained(live_server):
 
 def test_status_json_follows_a_running_generation(live_server):
     ctx = live_server.ctx
-    wait_idle(live_server)
+    live_server.wait_idle()
     idle = call(live_server.url, "GET", "/status/json").json()
     assert idle["status"] == "ok" and idle["phase"] == "idle" and idle["model"] == ctx.model_id
     assert idle["requests"] == {"running": 0, "waiting": 0} and idle["n_ctx"] == ctx.n_ctx

@@ -623,14 +623,6 @@ def prompt_tokens(server, body: dict) -> int:
     return len(server.ctx.prompt.tokenizer.encode(text, add_special=False))
 
 
-def wait_idle(server, deadline=10.0):
-    eng = server.ctx.engine.engine
-    end = time.monotonic() + deadline
-    while (eng.blocks_in_use or server.ctx.engine.num_running) and time.monotonic() < end:
-        time.sleep(0.02)
-    return eng.blocks_in_use
-
-
 def test_sdk_non_stream_with_codex_instructions(live_server, client, codex_prompt):
     r = client.responses.create(model="codex-local", instructions=codex_prompt, input="Say hello.",
                                 max_output_tokens=8, store=False, reasoning={"effort": "medium", "summary": "auto"})
@@ -781,7 +773,7 @@ def test_disconnect_mid_stream_aborts_the_generation(live_server):
     while engine.num_disconnects == before and time.monotonic() < deadline:
         time.sleep(0.02)
     assert engine.num_disconnects == before + 1
-    assert wait_idle(live_server) == 0
+    live_server.wait_idle(timeout=10)
     # the server still serves after the abort
     r = openai.OpenAI(base_url=live_server.base_url, api_key="x", max_retries=0).responses.create(
         model="m", input="Hi", max_output_tokens=2)
@@ -804,4 +796,4 @@ def test_internal_error_mid_stream_still_ends_with_response_failed(live_server, 
     assert events[-1].type == "response.failed" and final["error"]["message"].startswith("internal server error")
     assert final["output"][0]["status"] == "incomplete"
     # 400 tokens take far longer than this at CPU speed: the blocks are freed because the run was aborted
-    assert wait_idle(live_server, deadline=3.0) == 0, "the generation is aborted, its KV blocks freed"
+    live_server.wait_idle(timeout=3.0)  # the generation is aborted, its KV blocks freed

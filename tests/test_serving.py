@@ -44,14 +44,6 @@ def chat(url: str, question: str, max_tokens: int = 16) -> str:
     return body["choices"][0]["message"]["content"]
 
 
-def wait_idle(server, timeout: float = 120) -> None:
-    eng = server.ctx.engine
-    deadline = time.monotonic() + timeout
-    while eng.num_running or eng.num_waiting or eng._active:
-        assert time.monotonic() < deadline, "requests are stuck in the engine"
-        time.sleep(0.05)
-
-
 def test_concurrent_greedy_requests_equal_each_alone(live_server):
     alone = [chat(live_server.url, q) for q in QUESTIONS]
     with ThreadPoolExecutor(len(QUESTIONS)) as pool:
@@ -135,7 +127,7 @@ def test_long_prompt_does_not_stall_running_streams(small_chunks):
               f"max {gaps[-1] * 1000:.0f} ms")
         assert gaps[-1] < prefill_window / 3, "a stream stalled for most of the long prefill"
     assert text is not None
-    wait_idle(server)
+    server.wait_idle(timeout=120)
 
 
 def test_64_streams_with_random_disconnects_leak_nothing(live_server):
@@ -150,7 +142,7 @@ def test_64_streams_with_random_disconnects_leak_nothing(live_server):
         t.start()
     for t in threads:
         t.join(timeout=600)
-    wait_idle(live_server, timeout=300)
+    live_server.wait_idle(timeout=300)
     assert eng.engine.blocks_in_use == 0, "KV blocks leaked"
     assert not eng.engine.scheduler.running and not eng.engine.scheduler.waiting
     hung_up = sum(1 for p, o in zip(plan, outs) if p is not None and len(o) >= p)
@@ -191,4 +183,4 @@ def test_full_queue_answers_with_the_dialects_overload_error(tiny_queue, path, b
         assert reply["type"] == "error" and reply["error"]["type"] == "overloaded_error"
     else:
         assert reply["error"]["type"] == "overloaded_error"
-    wait_idle(tiny_queue)
+    tiny_queue.wait_idle(timeout=120)
