@@ -154,6 +154,47 @@ def test_quantized_model_on_cuda_matches_dense_and_graphs_match_eager(tiny_gguf)
     assert quant.generate([ids], params) == engine(True, False).generate([ids], params)
 
 
+@needs_cuda
+def test_programmatic_dependent_launch_changes_no_token(tiny_gguf, monkeypatch) -> None:
+    """Decode steps whose kernels overlap (engine/kernels/pdl.py: at one row the norms, RoPE, attention and int8
+    gemvs launch early, the gemvs prefetching their weights before they wait) give the tokens and logits of the
+    same engine with PDL off, in CUDA graphs and eagerly; two rows launch as before."""
+    from lucebox.engine.kernels import pdl
+    from lucebox.engine.runtime.llm_engine import EngineConfig, LLMEngine
+    from lucebox.engine.runtime.sampler import SamplingParams
+    from lucebox.engine.weights.loader import load_model
+
+    if not pdl.enabled(torch.device("cuda")):
+        pytest.skip("no programmatic dependent launch on this GPU")
+    x = torch.zeros(1, device="cuda")
+    assert pdl.launch(x, 1) == {"PDL": True, "launch_pdl": True} and pdl.launch(x, 2) == {}
+    monkeypatch.setenv("LUCEBOX_PDL", "0")
+    assert pdl.launch(x, 1) == {}
+    path = tiny_gguf("qwen3", "Q4_K", hidden_size=512, layer_qtypes=(("attn_v", "Q6_K"), ("ffn_down", "Q6_K")))
+    tuned = {}
+
+    def engine(on: bool, graphs: bool) -> LLMEngine:
+        monkeypatch.setenv("LUCEBOX_PDL", "1" if on else "0")
+        loaded = load_model(path, device="cuda", dtype=torch.bfloat16, quiet=True, quantized=True)
+        for m in loaded.model.modules():  # every weight on the int8 kernels (the ones that prefetch), split in two
+            if getattr(m, "qtype", None) in qmm.WORD_TYPES:
+                tuned[("gemv", m.qtype, *m.quant.shape)] = (4, 1, 1, 2, "q8x")
+                tuned[("small", m.qtype, *m.quant.shape)] = (32, 1, 4, 2, "q8x")
+        monkeypatch.setattr(qmm, "TUNED", tuned)
+        return LLMEngine(loaded, EngineConfig(device="cuda", dtype="bfloat16", kv_tokens=2048, cuda_graphs=graphs))
+
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    prompts = [list(range(3, 40)), list(range(50, 61))]
+    off = engine(False, True)
+    want = [off.generate([p], params)[0] for p in prompts]
+    batched = off.generate(prompts, params)  # two rows: the int8 tiles
+    for graphs in (True, False):
+        on = engine(True, graphs)
+        assert [on.generate([p], params)[0] for p in prompts] == want
+        assert on.generate(prompts, params) == batched
+        assert torch.equal(on.score(prompts[1] + want[1]), off.score(prompts[1] + want[1]))
+
+
 @pytest.mark.parametrize("qtype", QUANT_TYPES)
 def test_dequantize_rows_kernel_matches_torch(qtype: str) -> None:
     w = random_weight(qtype, 40, block(qtype) * 5, seed=11).to(DEVICE)

@@ -32,6 +32,7 @@ try:
 except ImportError:  # CPU-only installs: the simple path is used
     triton = None
 else:
+    from lucebox.engine.kernels import pdl
     from lucebox.engine.kernels.triton_qmm import q8_store_run
 
 
@@ -61,7 +62,9 @@ if triton is not None:
         scale, window,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
         BLOCK_N: tl.constexpr, SLIDING: tl.constexpr, PRECISION: tl.constexpr, Q8: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):
+        pdl.enter(PDL)
         # Q8: K/V are int8 rows with an fp16 scale each (KS/VS: the caches seen as fp16, the scale at
         # HEAD_DIM // 2): the key scale multiplies the scores, the value scale the probabilities.
         b = tl.program_id(0)
@@ -122,8 +125,9 @@ if triton is not None:
     @triton.jit
     def _merge_splits(
         ACC, LSE, OUT, WS, stride_ab, stride_as, stride_ah, stride_lb, stride_ls, stride_ob, stride_oh, stride_wsb,
-        n_cols, N_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, Q8: tl.constexpr,
+        n_cols, N_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, Q8: tl.constexpr, PDL: tl.constexpr = False,
     ):
+        pdl.enter(PDL)
         b = tl.program_id(0)
         h = tl.program_id(1)
         s = tl.arange(0, N_SPLITS)
@@ -375,7 +379,7 @@ def decode_attention(
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim, PAGE=page,
         BLOCK_N=block_n, SLIDING=window is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 models get exact fp32 dots
-        Q8=q8,
+        Q8=q8, **pdl.launch(q, bsz),
     )
     out = torch.empty_like(q)
     if ws is not None and (dim % 32 or ws.shape != (bsz, hq * dim // 4 + hq * dim // 8) or ws.stride(1) != 1):
@@ -383,7 +387,7 @@ def decode_attention(
     _merge_splits[(bsz, hq)](
         acc, lse, out, out if ws is None else ws, acc.stride(0), acc.stride(1), acc.stride(2), lse.stride(0),
         lse.stride(1), out.stride(0), out.stride(1), 0 if ws is None else ws.stride(0), hq * dim,
-        N_SPLITS=n_splits, HEAD_DIM=dim, Q8=ws is not None,
+        N_SPLITS=n_splits, HEAD_DIM=dim, Q8=ws is not None, **pdl.launch(q, bsz),
     )
     return out
 

@@ -48,6 +48,7 @@ try:
 except ImportError:  # CPU-only installs: the references are used
     triton = None
 else:
+    from lucebox.engine.kernels import pdl
     from lucebox.engine.kernels.triton_qmm import q8_store_run
 
 # Read at forward time: the decoder takes the fused path only while this is True.
@@ -151,7 +152,8 @@ if triton is not None:
 
     @triton.jit
     def _rms_norm_kernel(X, W, Y, WS, stride_x, stride_y, stride_ws, n, eps, Q8: tl.constexpr,
-                         BLOCK: tl.constexpr):
+                         BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+        pdl.enter(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < n
@@ -166,8 +168,9 @@ if triton is not None:
     @triton.jit
     def _add_rms_norm_kernel(
         X, R, XW, W, Y, RES, WS, stride_x, stride_r, stride_y, stride_res, stride_ws, n, eps,
-        NORM_X: tl.constexpr, Q8: tl.constexpr, BLOCK: tl.constexpr,
+        NORM_X: tl.constexpr, Q8: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
     ):
+        pdl.enter(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < n
@@ -237,7 +240,9 @@ if triton is not None:
         stride_kc_s, stride_kc_h, stride_vc_s, stride_vc_h, eps,
         HQ: tl.constexpr, HKV: tl.constexpr, HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr,
         HALF: tl.constexpr, HALF_PAD: tl.constexpr, QK_NORM: tl.constexpr, WRITE: tl.constexpr = True,
+        PDL: tl.constexpr = False,
     ):
+        pdl.enter(PDL)
         t = tl.program_id(0).to(tl.int64)
         d = tl.arange(0, HALF_PAD)
         dm = d < HALF
@@ -374,7 +379,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, ws: torch.Tensor
     block, warps = _norm_launch(n)
     _rms_norm_kernel[(x2.shape[0],)](x2, weight, y, y if ws is None else ws, x2.stride(0), y.stride(0),
                                      0 if ws is None else ws.stride(0), n, eps, Q8=ws is not None, BLOCK=block,
-                                     num_warps=warps)
+                                     num_warps=warps, **pdl.launch(x2, x2.shape[0]))
     return y.view(x.shape)
 
 
@@ -400,7 +405,7 @@ def add_rms_norm(
     _add_rms_norm_kernel[(x2.shape[0],)](
         x2, r2, weight if x_weight is None else x_weight, weight, y, res, y if ws is None else ws,
         x2.stride(0), r2.stride(0), y.stride(0), res.stride(0), 0 if ws is None else ws.stride(0), n, eps,
-        NORM_X=x_weight is not None, Q8=ws is not None, BLOCK=block, num_warps=warps,
+        NORM_X=x_weight is not None, Q8=ws is not None, BLOCK=block, num_warps=warps, **pdl.launch(x2, x2.shape[0]),
     )
     return y.view(x.shape), res.view(x.shape)
 
@@ -479,7 +484,7 @@ def rope_qk_and_cache(
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), eps,
         HQ=hq, HKV=hkv, HQ_PAD=max(2, triton.next_power_of_2(hq)), HKV_PAD=max(2, triton.next_power_of_2(hkv)),
         HALF=half, HALF_PAD=max(2, triton.next_power_of_2(half)), QK_NORM=norm, WRITE=write,
-        num_warps=4 if hq * dim <= 4096 else 8,
+        num_warps=4 if hq * dim <= 4096 else 8, **pdl.launch(qkv, t),
     )
     v = qkv.view(t, hq + 2 * hkv, dim)[:, hq + hkv:]
     return q, k, v

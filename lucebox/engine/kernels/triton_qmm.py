@@ -35,6 +35,7 @@ import triton.language as tl
 from triton.compiler.errors import CompilationError
 from triton.runtime.errors import OutOfResources
 
+from lucebox.engine.kernels import pdl
 from lucebox.engine.weights.quant.dequant import FORMATS
 from lucebox.engine.weights.quant.qtensor import QuantWeight, row_bytes
 
@@ -558,9 +559,11 @@ def q8_store_run(ws_ptr, y, blk0, K, B: tl.constexpr):
 
 
 @triton.jit
-def _quant_x_kernel(x_ptr, ws_ptr, K, stride_xm, BLOCKS: tl.constexpr, ACT: tl.constexpr = 0):
+def _quant_x_kernel(x_ptr, ws_ptr, K, stride_xm, BLOCKS: tl.constexpr, ACT: tl.constexpr = 0,
+                    PDL: tl.constexpr = False):
     """Row program_id(1) of x [M, K] -> its workspace (row m's at word m * (K/4 + K/8)). ACT 1 (silu) or 2
     (gelu_tanh): x is gate_up [M, 2K] and the row quantized is triton_ops.act_mul's, rounded as it rounds."""
+    pdl.enter(PDL)
     m = tl.program_id(1)
     x_ptr += m.to(tl.int64) * stride_xm
     ws_ptr += m.to(tl.int64) * (K // 4 + K // 8)
@@ -599,7 +602,8 @@ def quantize_x(x: torch.Tensor, act: str | None = None, out: torch.Tensor | None
     ws = workspace(m, k, x.device) if out is None else out
     if ws.shape != (m, k // 4 + k // 8) or ws.dtype != torch.int32 or not ws.is_contiguous():
         raise ValueError(f"quantize_x: a workspace {tuple(ws.shape)} {ws.dtype} for {m} rows of {k}")
-    _quant_x_kernel[(triton.cdiv(k // 32, 8), m)](x, ws, k, x.stride(0), BLOCKS=8, ACT=code, num_warps=2)
+    _quant_x_kernel[(triton.cdiv(k // 32, 8), m)](x, ws, k, x.stride(0), BLOCKS=8, ACT=code, num_warps=2,
+                                                  **pdl.launch(x, m))
     return ws
 
 
@@ -623,12 +627,23 @@ def _q4k_chunk_scales(s0, s1, s2, ci: tl.constexpr):
 
 
 @triton.jit
-def _pair(ws_ptr, y_ptr, ids_ptr, P, N, K, stride_y, w2_off, X_PER_ROW: tl.constexpr, MOE: tl.constexpr):
+def _prefetch_rows(w_ptr, rn, N, row_bytes, first, nbytes, PDL: tl.constexpr):
+    """PDL: ask L2 for bytes first .. first + nbytes of weight rows rn (a program's share of them), before the
+    program waits for the kernel before it (pdl.prefetch_l2)."""
+    if PDL:
+        pdl.prefetch_l2(w_ptr + tl.minimum(rn, N - 1).to(tl.int64) * row_bytes + first, nbytes, PDL)
+
+
+@triton.jit
+def _pair(ws_ptr, y_ptr, ids_ptr, P, N, K, stride_y, w2_off, X_PER_ROW: tl.constexpr, MOE: tl.constexpr,
+          PDL: tl.constexpr = False):
     """This program's (workspace row, output row, first weight row, weight byte offset). MOE (the routed experts
     of a decode step, `pair_gemv`): program_id(2) is pair q of P, or pair q = p - P of the second weight (at
     w2_off bytes from the first, its type and shape); the pair's expert ids[q] is weight rows ids[q] * N on,
     its activations workspace row q // X_PER_ROW, its outputs row q of y (row stride stride_y), the second
-    weight's N columns on. Else one problem: rows from 0, nothing moved."""
+    weight's N columns on. Else one problem: rows from 0, nothing moved. PDL: waits (pdl.enter) first, as the
+    ids and everything after them may come from the kernel before."""
+    pdl.enter(PDL)
     if MOE:
         p = tl.program_id(2)
         second = (p >= P).to(tl.int64)
@@ -646,7 +661,8 @@ def _pair(ws_ptr, y_ptr, ids_ptr, P, N, K, stride_y, w2_off, X_PER_ROW: tl.const
 @triton.jit
 def _gemv_q4k_q8x_kernel(ws_ptr, w_ptr, b_ptr, y_ptr, N, K, n_split, row_bytes, ids_ptr, P, stride_y, w2_off,
                          X_PER_ROW: tl.constexpr, MOE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         PARTIAL: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, ASM: tl.constexpr):
+                         PARTIAL: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, ASM: tl.constexpr,
+                         PDL: tl.constexpr = False):
     """One row of a Q4_K weight against the int8 workspace, BN rows x NB super-blocks a step, a super-block's
     128 bytes of nibbles spread over 8 threads (tile [BN * NB, 4 chunks, 8 words]: a warp's loads are whole
     128-byte runs of a row). Per 32-column sub-block 8 dp4a summed, times d * scale * dx, less dmin * min * (exact
@@ -660,7 +676,8 @@ def _gemv_q4k_q8x_kernel(ws_ptr, w_ptr, b_ptr, y_ptr, N, K, n_split, row_bytes, 
     ci = tl.arange(0, 4)[None, :, None]
     wi = tl.arange(0, 8)[None, None, :]
     lo = tl.program_id(1) * n_split
-    ws_ptr, y_ptr, row0, w_off = _pair(ws_ptr, y_ptr, ids_ptr, P, N, K, stride_y, w2_off, X_PER_ROW, MOE)
+    _prefetch_rows(w_ptr, rn, N, row_bytes, lo * 144, NB * 144, PDL and not MOE)
+    ws_ptr, y_ptr, row0, w_off = _pair(ws_ptr, y_ptr, ids_ptr, P, N, K, stride_y, w2_off, X_PER_ROW, MOE, PDL)
     rows = row0 + tl.minimum(tl.program_id(0) * BN + r // NB, N - 1).to(tl.int64)
     w32 = (w_ptr + w_off).to(tl.pointer_type(tl.int32))
     row = rows * (row_bytes // 4)  # [R, 1, 1] word offsets of rows of 36-word blocks
@@ -690,7 +707,8 @@ def _gemv_q4k_q8x_kernel(ws_ptr, w_ptr, b_ptr, y_ptr, N, K, n_split, row_bytes, 
 @triton.jit
 def _gemv_q6k_q8x_kernel(ws_ptr, w_ptr, b_ptr, y_ptr, N, K, n_split, row_bytes, ids_ptr, P, stride_y, w2_off,
                          X_PER_ROW: tl.constexpr, MOE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         PARTIAL: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, ASM: tl.constexpr):
+                         PARTIAL: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, ASM: tl.constexpr,
+                         PDL: tl.constexpr = False):
     """One row of a Q6_K weight against the int8 workspace, a super-block spread over 4 threads, one quarter (h, a)
     each (tile [BN * NB, 4 quarters, 4 words]). Element 128h + 32g + 16a + 4k + b of a block is nibble g >> 1 of
     ql byte 64h + 32(g & 1) + 16a + 4k + b with bits 2g..2g+1 of qh byte 32h + 16a + 4k + b; per 16 columns 4
@@ -706,12 +724,13 @@ def _gemv_q6k_q8x_kernel(ws_ptr, w_ptr, b_ptr, y_ptr, N, K, n_split, row_bytes, 
     h = hq >> 1
     a = hq & 1
     k = tl.arange(0, 4)[None, None, :]
-    ws_ptr, y_ptr, row0, w_off = _pair(ws_ptr, y_ptr, ids_ptr, P, N, K, stride_y, w2_off, X_PER_ROW, MOE)
+    lo = tl.program_id(1) * n_split
+    _prefetch_rows(w_ptr, rn, N, row_bytes, lo * 210, NB * 210, PDL and not MOE)
+    ws_ptr, y_ptr, row0, w_off = _pair(ws_ptr, y_ptr, ids_ptr, P, N, K, stride_y, w2_off, X_PER_ROW, MOE, PDL)
     rows = row0 + tl.minimum(tl.program_id(0) * BN + r // NB, N - 1).to(tl.int64)
     roff = rows * row_bytes  # [R, 1, 1]
     row = (w_ptr + w_off).to(tl.pointer_type(tl.int32)) + roff // 4
     wb = w_ptr + w_off + roff
-    lo = tl.program_id(1) * n_split
     dxp = (ws_ptr + K // 4).to(tl.pointer_type(tl.float32))
     sqp = ws_ptr + K // 4 + K // 16
     acc = tl.zeros((R, 4, 1), dtype=tl.float32)
@@ -744,13 +763,15 @@ def _gemv_q6k_q8x_kernel(ws_ptr, w_ptr, b_ptr, y_ptr, N, K, n_split, row_bytes, 
 @triton.jit
 def _gemv_q80_q8x_kernel(ws_ptr, w_ptr, b_ptr, y_ptr, N, K, n_split, row_bytes, ids_ptr, P, stride_y, w2_off,
                          X_PER_ROW: tl.constexpr, MOE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         PARTIAL: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, ASM: tl.constexpr):
+                         PARTIAL: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, ASM: tl.constexpr,
+                         PDL: tl.constexpr = False):
     """One row of a Q8_0 weight against the int8 workspace: 8 dp4a a 32-column block, times d * dx. MOE and rows
     starting 2 bytes into a word as _gemv_q6k_q8x_kernel."""
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     lo = tl.program_id(1) * n_split
     n_mask = rn < N
-    ws_ptr, y_ptr, row0, w_off = _pair(ws_ptr, y_ptr, ids_ptr, P, N, K, stride_y, w2_off, X_PER_ROW, MOE)
+    _prefetch_rows(w_ptr, rn, N, row_bytes, lo * 34, NB * 34, PDL and not MOE)
+    ws_ptr, y_ptr, row0, w_off = _pair(ws_ptr, y_ptr, ids_ptr, P, N, K, stride_y, w2_off, X_PER_ROW, MOE, PDL)
     rows = row0 + tl.minimum(rn, N - 1).to(tl.int64)
     roff = (rows * row_bytes)[:, None, None]
     row = (w_ptr + w_off).to(tl.pointer_type(tl.int32)) + roff // 4
@@ -963,8 +984,9 @@ def _qmm_words_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, n_split, stride_xm, stri
 
 @triton.jit
 def _splitk_sum_kernel(p_ptr, b_ptr, y_ptr, M, N, stride_ym, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       BLOCK: tl.constexpr):
+                       BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """y[m, :] = sum over j of the fp32 partials p[j, m, :] (+ bias), in y's dtype."""
+    pdl.enter(PDL)
     m = tl.program_id(0)
     rn = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = rn < N
@@ -1108,7 +1130,7 @@ def _launch_words(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None, ou
         kernel = {"Q4_K": _gemv_q4k_q8x_kernel, "Q6_K": _gemv_q6k_q8x_kernel, "Q8_0": _gemv_q80_q8x_kernel}[w.qtype]
         del common["QTYPE"]
         kernel[(triton.cdiv(n, bn), split)](ws, w.data, b, y, n, k, n_blk // split, w.data.shape[1], x, 1,
-                                            0, 0, X_PER_ROW=1, MOE=False, ASM=x.is_cuda, **common)
+                                            0, 0, X_PER_ROW=1, MOE=False, ASM=x.is_cuda, **common, **pdl.launch(x, m))
     elif m == 1:
         _gemv_words_kernel[(triton.cdiv(n, bn), split)](x, w.data, b, y, n, n_blk // split, w.data.shape[1] // 4,
                                                         XBF16=X_PAIRS and x.dtype == torch.bfloat16, **common)
@@ -1125,7 +1147,8 @@ def _launch_words(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None, ou
                                 w.data.shape[1] // 4, BM=SMALL_BM, **common)
     if split > 1:
         _splitk_sum_kernel[(m, triton.cdiv(n, 1024))](y, b, out, m, n, out.stride(0), SPLIT=split,
-                                                      HAS_BIAS=bias is not None, BLOCK=1024, num_warps=4)
+                                                      HAS_BIAS=bias is not None, BLOCK=1024, num_warps=4,
+                                                      **pdl.launch(x, m))
 
 
 # The routed experts' per-pair gemvs (pair_gemv): (BN, NB, num_warps) by type. The K-quants' is the fastest of 4
