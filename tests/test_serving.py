@@ -89,20 +89,20 @@ def small_chunks(smollm2_path):
 
 
 def test_long_prompt_does_not_stall_running_streams(small_chunks):
-    """While 8 streams decode, a ~2500-token prompt arrives: every step that prefills a chunk of it also
+    """While 8 streams decode, a ~1900-token prompt arrives: every step that prefills a chunk of it also
     decodes every running stream, and each chunk stays within the step budget."""
     server = small_chunks
     eng = server.ctx.engine
     outs: list[list] = [[] for _ in range(8)]
     threads = [threading.Thread(target=stream_chat, args=(server.url, QUESTIONS[i % 6] + " Explain at length.",
-                                                          80, outs[i])) for i in range(8)]
+                                                          64, outs[i])) for i in range(8)]
     for t in threads:
         t.start()
     deadline = time.monotonic() + 120
     while sum(1 for o in outs if len(o) >= 3) < 8:
         assert time.monotonic() < deadline, "streams did not start"
         time.sleep(0.05)
-    long_text = " ".join(f"Line {i}: the quick brown fox jumps over the lazy dog." for i in range(200))
+    long_text = " ".join(f"Line {i}: the quick brown fox jumps over the lazy dog." for i in range(150))
     steps_before = len(eng.step_log)
     t0 = time.monotonic()
     text = chat(server.url, long_text + "\nSummarise.", max_tokens=4)
