@@ -43,8 +43,8 @@ def enabled(device: torch.device) -> bool:
 @functools.cache
 def _capable(index: int | None) -> bool:
     extra = getattr(getattr(tl, "extra", None), "cuda", None)
-    return (hasattr(extra, "gdc_wait") and hasattr(extra, "gdc_launch_dependents")
-            and torch.cuda.get_device_capability(index)[0] >= 9)
+    return (torch.version.hip is None and hasattr(extra, "gdc_wait") and hasattr(extra, "gdc_launch_dependents")
+            and torch.cuda.get_device_capability(index)[0] >= 9)  # ROCm reports capabilities of 9 too
 
 
 def launch(x: torch.Tensor, rows: int) -> dict[str, bool]:
