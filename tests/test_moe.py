@@ -548,20 +548,26 @@ def test_bench_moe_times_both_paths_in_one_run(monkeypatch, tmp_path, capsys) ->
 
 def test_pair_rows_switch_reads_the_environment() -> None:
     """LUCEBOX_MOE_PAIR_ROWS=0 keeps every step on the grouped kernel (what the README's end-to-end comparison
-    runs); a value that is not a whole number keeps the default, 16."""
+    runs); a value that is not a whole number keeps the default, 16. LUCEBOX_MOE_MAX_ROWS: prefill steps of up to
+    N rows take the grouped kernel (bench decode's comparison). The module reads them at import: one child
+    process re-imports it under each setting."""
     import subprocess
     import sys
 
-    code = "from lucebox.engine.kernels import triton_moe; print(triton_moe.PAIR_ROWS, triton_moe.MAX_ROWS)"
-    for value, want in (("0", "0 64"), ("4", "4 64"), ("lots", "16 64"), ("-3", "16 64")):
-        env = {**os.environ, "LUCEBOX_MOE_PAIR_ROWS": value}
-        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-        assert out.stdout.strip() == want, (value, out.stderr[-500:])
-    # LUCEBOX_MOE_MAX_ROWS: prefill steps of up to N rows take the grouped kernel (bench decode's comparison)
-    for value, want in (("4096", "16 4096"), ("x", "16 64")):
-        env = {**os.environ, "LUCEBOX_MOE_MAX_ROWS": value}
-        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-        assert out.stdout.strip() == want, (value, out.stderr[-500:])
+    cases = [("LUCEBOX_MOE_PAIR_ROWS", "0", "0 64"), ("LUCEBOX_MOE_PAIR_ROWS", "4", "4 64"),
+             ("LUCEBOX_MOE_PAIR_ROWS", "lots", "16 64"), ("LUCEBOX_MOE_PAIR_ROWS", "-3", "16 64"),
+             ("LUCEBOX_MOE_MAX_ROWS", "4096", "16 4096"), ("LUCEBOX_MOE_MAX_ROWS", "x", "16 64")]
+    code = ("import importlib, os, sys\n"
+            "from lucebox.engine.kernels import triton_moe as m\n"
+            "for name, value in (line.split('=') for line in sys.argv[1:]):\n"
+            "    os.environ.pop('LUCEBOX_MOE_PAIR_ROWS', None); os.environ.pop('LUCEBOX_MOE_MAX_ROWS', None)\n"
+            "    os.environ[name] = value\n"
+            "    m = importlib.reload(m)\n"
+            "    print(m.PAIR_ROWS, m.MAX_ROWS)\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LUCEBOX_MOE_")}
+    out = subprocess.run([sys.executable, "-c", code, *(f"{n}={v}" for n, v, _ in cases)], env=env,
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.split("\n")[:len(cases)] == [want for _, _, want in cases], out.stderr[-500:]
 
 
 def test_align_sorts_a_prefill_chunk_of_pairs_by_expert() -> None:

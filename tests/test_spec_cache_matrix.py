@@ -1,18 +1,21 @@
 """Speculative decoding and the prefix cache together, through the live server.
 
 {drafter off, chain, DDTree, chain's one-launch steps launched one step ahead} x {prefix cache off, GPU tier,
-RAM tier after GPU eviction, disk tier after a restart} x {stream, non-stream}, two turns each (the second
-extends the first conversation), greedy: every reply is the text plain decoding gives with the cache off.
-A batched case runs four conversations at once. Each cell checks that the tier it is about really served
-the prompt (the cache's counters and `cached_tokens`), with a drafter that verification passes ran, and
-ahead that speculative steps ran ahead, so no cell passes vacuously.
+RAM tier after GPU eviction, disk tier after a restart}, two turns each (the second extends the first
+conversation), greedy: every reply is the text plain decoding gives with the cache off. A cell's requests
+alternate between streamed and not, and the drafter modes start the alternation differently, so across the
+matrix every tier serves both kinds of request with and without a drafter. A batched case runs four
+conversations at once, two streamed. Each cell checks that the tier it is about really served the prompt (the
+cache's counters and `cached_tokens`), with a drafter that verification passes ran, and ahead that speculative
+steps ran ahead, so no cell passes vacuously.
 
-Cost: one server per (drafter mode, cache config), 12-token replies.
-"""
+Cost: one server per (drafter mode, cache config), 12-token replies."""
 
 from __future__ import annotations
 
+import itertools
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -159,40 +162,44 @@ def delta(before: dict, after: dict, tier: str, field: str) -> int:
     return after[tier][field] - before[tier][field]
 
 
-@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
-def test_prefix_cache_off(servers, reference, stream):
+def alternating(mode: str) -> Iterator[bool]:
+    """`stream` for a cell's requests in turn: json first in "off" and "ddtree", streamed first in the others."""
+    return itertools.cycle((False, True) if list(MODES).index(mode) % 2 == 0 else (True, False))
+
+
+def test_prefix_cache_off(servers, reference):
     want1, want2 = reference.turns(TOPICS["off"])
+    stream = alternating(servers.mode)
     for messages, want in ((first_turn(TOPICS["off"]), want1), (second_turn(TOPICS["off"], want1), want2)):
-        reply, before, after = served(servers.cache_off, messages, stream)
+        reply, before, after = served(servers.cache_off, messages, next(stream))
         check(reply, want, before, after, servers.mode)
         assert reply.cached == 0
 
 
-@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
-def test_gpu_tier(servers, reference, stream):
-    topic = TOPICS["gpu"] + (" (streamed)" if stream else "")
+def test_gpu_tier(servers, reference):
+    topic = TOPICS["gpu"]
     want1, want2 = reference.turns(topic)
-    reply, before, after = served(servers.cached, first_turn(topic), stream)
+    stream = alternating(servers.mode)
+    reply, before, after = served(servers.cached, first_turn(topic), next(stream))
     check(reply, want1, before, after, servers.mode)
-    reply, before, after = served(servers.cached, second_turn(topic, want1), stream)
+    reply, before, after = served(servers.cached, second_turn(topic, want1), next(stream))
     check(reply, want2, before, after, servers.mode)
     assert delta(before, after, "gpu", "restored_tokens") > 0 and reply.cached > 0
 
 
-@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
-def test_ram_tier_after_gpu_eviction(servers, reference, stream):
-    topic = TOPICS["ram"] + (" (streamed)" if stream else "")
+def test_ram_tier_after_gpu_eviction(servers, reference):
+    topic = TOPICS["ram"]
     want1, want2 = reference.turns(topic)
-    server = servers.cached
-    reply, before, after = served(server, first_turn(topic), stream)
+    server, stream = servers.cached, alternating(servers.mode)
+    reply, before, after = served(server, first_turn(topic), next(stream))
     check(reply, want1, before, after, servers.mode)
     evict_gpu_tier(server)
-    reply, before, after = served(server, first_turn(topic), stream)  # the same chat again: exact tier
+    reply, before, after = served(server, first_turn(topic), next(stream))  # the same chat again: exact tier
     check(reply, want1, before, after, servers.mode)
     assert delta(before, after, "exact", "hits") == 1 and delta(before, after, "gpu", "restored_tokens") == 0
     assert reply.cached > 0
     evict_gpu_tier(server)
-    reply, before, after = served(server, second_turn(topic, want1), stream)  # the next turn: turn-boundary tier
+    reply, before, after = served(server, second_turn(topic, want1), next(stream))  # the next turn: turn-boundary tier
     check(reply, want2, before, after, servers.mode)
     assert delta(before, after, "prefix", "hits") == 1 and delta(before, after, "gpu", "restored_tokens") == 0
     assert reply.cached > 0
@@ -259,22 +266,20 @@ def test_streams_hung_up_mid_reply_leak_nothing(servers, reference):
 
 
 def test_disk_tier_after_restart(servers, reference, smollm2_path):
-    """Both stream modes' first turns reach the disk; a new server on the same folder serves them from it."""
-    streams = (False, True)
-    topics = {s: TOPICS["disk"] + (" (streamed)" if s else "") for s in streams}
-    wants = {s: reference.turns(topics[s]) for s in streams}
-    for s in streams:
-        reply, before, after = served(servers.cached, first_turn(topics[s]), s)
-        check(reply, wants[s][0], before, after, servers.mode)
+    """A first turn reaches the disk; a new server on the same folder serves it again from there, then the second
+    turn from the cache."""
+    topic, stream = TOPICS["disk"], alternating(servers.mode)
+    want1, want2 = reference.turns(topic)
+    reply, before, after = served(servers.cached, first_turn(topic), next(stream))
+    check(reply, want1, before, after, servers.mode)
     servers.cached.ctx.engine.engine.cache.disk.flush()
     servers.cached.stop()
     servers.cached = start_server(smollm2_path, kv_cache_dir=servers.kv_dir, **CACHE_ON, **MODES[servers.mode],
                                   **COMMON)
-    for s in streams:
-        reply, before, after = served(servers.cached, first_turn(topics[s]), s)
-        check(reply, wants[s][0], before, after, servers.mode)
-        assert after["disk"]["hits"] > before["disk"]["hits"] and delta(before, after, "exact", "hits") == 1
-        assert reply.cached > 0
-        reply, before, after = served(servers.cached, second_turn(topics[s], wants[s][0]), s)
-        check(reply, wants[s][1], before, after, servers.mode)
-        assert reply.cached > 0
+    reply, before, after = served(servers.cached, first_turn(topic), next(stream))
+    check(reply, want1, before, after, servers.mode)
+    assert after["disk"]["hits"] > before["disk"]["hits"] and delta(before, after, "exact", "hits") == 1
+    assert reply.cached > 0
+    reply, before, after = served(servers.cached, second_turn(topic, want1), next(stream))
+    check(reply, want2, before, after, servers.mode)
+    assert reply.cached > 0

@@ -10,14 +10,25 @@ padding) write into.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from lucebox.engine.kernels import kv_quant
 from lucebox.engine.models.config import ModelConfig
 from lucebox.engine.runtime.recurrent_state import RecurrentStates
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros; on the CPU from calloc (numpy), whose pages the OS maps as they are first written, so a CPU server
+    neither spends start-up time filling a cache it may never use nor holds memory for its empty blocks."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
 class OutOfBlocks(RuntimeError):
@@ -104,7 +115,7 @@ class KVCache:
             dtype, dim = torch.int8, kv_quant.row_bytes(cfg.head_dim)
         shape = (cfg.num_kv_layers, 2, num_blocks * block_size, cfg.num_kv_heads, dim)
         states = RecurrentStates(cfg, state_slots, device) if cfg.is_hybrid else None
-        return cls(torch.zeros(shape, dtype=dtype, device=device), block_size, BlockPool(num_blocks), states)
+        return cls(_zeros(shape, dtype, torch.device(device)), block_size, BlockPool(num_blocks), states)
 
     @staticmethod
     def bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, kv_dtype: str = "auto") -> int:

@@ -92,17 +92,8 @@ class GGUFFile:
         if n_kv * 13 + n_tensors * 24 > self.size:
             raise ModelFileError(f"{self.path}: corrupt GGUF header (it claims {n_kv} metadata entries and "
                                  f"{n_tensors} tensors, more than a file of {self.size} bytes can hold)")
-        # Metadata is small next to the weights; read a growing prefix until it parses.
-        want = 1 << 20
-        while True:
-            buf = bytes(self._map[: min(self.size, want)])
-            try:
-                pos = self._parse_header(buf, 24, n_kv, n_tensors)
-                break
-            except _Truncated:
-                if want >= self.size:
-                    raise
-                want *= 8
+        # The header is parsed in place, from the map: no copy, and a header that runs past the end is truncated.
+        pos = self._parse_header(memoryview(self._map), 24, n_kv, n_tensors)
         align = self.fields.get("general.alignment", 32)
         if isinstance(align, bool) or not isinstance(align, int) or align <= 0 or align & (align - 1):
             raise ModelFileError(f"{self.path}: general.alignment is {describe(align)}; it must be a power of two")
@@ -116,7 +107,7 @@ class GGUFFile:
                 )
             t.data = self._tensor_view(t)
 
-    def _parse_header(self, buf: bytes, pos: int, n_kv: int, n_tensors: int) -> int:
+    def _parse_header(self, buf: memoryview, pos: int, n_kv: int, n_tensors: int) -> int:
         fields: dict[str, Any] = {}
         for _ in range(n_kv):
             key, pos = _read_str(buf, pos)
@@ -158,21 +149,21 @@ class GGUFFile:
         return raw.reshape(*rows, t.shape[0] // block * type_size)
 
 
-def _read(buf: bytes, pos: int, fmt: str) -> tuple[Any, int]:
+def _read(buf: memoryview, pos: int, fmt: str) -> tuple[Any, int]:
     size = struct.calcsize(fmt)
     if pos + size > len(buf):
         raise _Truncated
     return struct.unpack_from(fmt, buf, pos)[0], pos + size
 
 
-def _read_str(buf: bytes, pos: int) -> tuple[str, int]:
+def _read_str(buf: memoryview, pos: int) -> tuple[str, int]:
     n, pos = _read(buf, pos, "<Q")
     if pos + n > len(buf):
         raise _Truncated
-    return buf[pos: pos + n].decode("utf-8", errors="replace"), pos + n
+    return str(buf[pos: pos + n], "utf-8", "replace"), pos + n
 
 
-def _read_value(buf: bytes, pos: int, vtype: int) -> tuple[Any, int]:
+def _read_value(buf: memoryview, pos: int, vtype: int) -> tuple[Any, int]:
     if vtype == GGUFValueType.STRING:
         return _read_str(buf, pos)
     if vtype == GGUFValueType.ARRAY:
@@ -185,13 +176,15 @@ def _read_value(buf: bytes, pos: int, vtype: int) -> tuple[Any, int]:
                 raise _Truncated
             return np.frombuffer(buf, dt, count, pos).tolist(), end
         if item_type == GGUFValueType.STRING:
-            out = []
+            out, size, unpack = [], len(buf), struct.Struct("<Q").unpack_from  # the hot loop: vocabularies, merges
             for _ in range(count):
-                n = struct.unpack_from("<Q", buf, pos)[0] if pos + 8 <= len(buf) else None
-                if n is None or pos + 8 + n > len(buf):
+                if pos + 8 > size:
                     raise _Truncated
-                out.append(buf[pos + 8: pos + 8 + n].decode("utf-8", errors="replace"))
-                pos += 8 + n
+                start = pos + 8
+                pos = start + unpack(buf, pos)[0]
+                if pos > size:
+                    raise _Truncated
+                out.append(str(buf[start:pos], "utf-8", "replace"))
             return out, pos
         items = []
         for _ in range(count):

@@ -2,9 +2,9 @@
 
 Each function takes the raw blocks as a uint8 tensor [n_blocks, type_size] (CPU or CUDA) and returns fp32
 [n_blocks, block_size]. The arithmetic follows gguf/quants.py operation by operation (same products in the
-same order, each rounded to fp32), so the result equals the numpy reference bit for bit. This is the CPU
-path of the quantized linear, the reference the Triton kernels are tested against, and the row gather of a
-quantized embedding.
+same order, each rounded to fp32; in place where a product's operands only swap), so the result equals the
+numpy reference bit for bit. This is the CPU path of the quantized linear, the reference the Triton kernels are
+tested against, and the row gather of a quantized embedding.
 """
 
 from __future__ import annotations
@@ -36,29 +36,29 @@ def _bits32(blocks: torch.Tensor, at: int) -> torch.Tensor:
 def q4_0(b: torch.Tensor) -> torch.Tensor:
     d = _f16(b, 0)
     q = _nibbles(b[:, 2:18]).to(torch.int8) - 8
-    return d * q.float()
+    return q.float().mul_(d)
 
 
 def q4_1(b: torch.Tensor) -> torch.Tensor:
     d, m = _f16(b, 0), _f16(b, 2)
-    return d * _nibbles(b[:, 4:20]).float() + m
+    return _nibbles(b[:, 4:20]).float().mul_(d).add_(m)
 
 
 def q5_0(b: torch.Tensor) -> torch.Tensor:
     d = _f16(b, 0)
     q = (_nibbles(b[:, 6:22]) | (_bits32(b, 2) << 4)).to(torch.int8) - 16
-    return d * q.float()
+    return q.float().mul_(d)
 
 
 def q5_1(b: torch.Tensor) -> torch.Tensor:
     d, m = _f16(b, 0), _f16(b, 2)
     q = _nibbles(b[:, 8:24]) | (_bits32(b, 4) << 4)
-    return d * q.float() + m
+    return q.float().mul_(d).add_(m)
 
 
 def q8_0(b: torch.Tensor) -> torch.Tensor:
     d = _f16(b, 0)
-    return b[:, 2:34].contiguous().view(torch.int8).float() * d
+    return b[:, 2:34].contiguous().view(torch.int8).float().mul_(d)
 
 
 def k_scale_min(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,7 +87,7 @@ def q4_k(b: torch.Tensor) -> torch.Tensor:
     sc, mn = k_scale_min(b[:, 4:16])
     d = (d * sc.float()).reshape(n, 8, 1)
     dm = (dmin * mn.float()).reshape(n, 8, 1)
-    return (d * _k_low4(b[:, 16:144]).float() - dm).reshape(n, 256)
+    return _k_low4(b[:, 16:144]).float().mul_(d).sub_(dm).reshape(n, 256)
 
 
 def q5_k(b: torch.Tensor) -> torch.Tensor:
@@ -98,7 +98,7 @@ def q5_k(b: torch.Tensor) -> torch.Tensor:
     dm = (dmin * mn.float()).reshape(n, 8, 1)
     qh = (b[:, 16:48].reshape(n, 1, 32) >> _shifts(8, 1, b.device).reshape(1, 8, 1)) & 1
     q = _k_low4(b[:, 48:176]) | (qh << 4)
-    return (d * q.float() - dm).reshape(n, 256)
+    return q.float().mul_(d).sub_(dm).reshape(n, 256)
 
 
 def q6_k(b: torch.Tensor) -> torch.Tensor:
@@ -110,7 +110,7 @@ def q6_k(b: torch.Tensor) -> torch.Tensor:
     qh = b[:, 128:192].reshape(n, 2, 1, 32) >> _shifts(4, 2, b.device).reshape(1, 1, 4, 1)
     qh = (qh & 0x03).reshape(n, 8, 32)
     q = (ql | (qh << 4)).to(torch.int8) - 32
-    return (d * q.reshape(n, 16, 16).float()).reshape(n, 256)
+    return q.reshape(n, 16, 16).float().mul_(d).reshape(n, 256)
 
 
 # GGML type name -> (block size, bytes per block, dequantizer).
