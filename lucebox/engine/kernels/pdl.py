@@ -64,8 +64,9 @@ def enter(PDL: tl.constexpr):
 
 @triton.jit
 def prefetch_l2(ptr, nbytes, PDL: tl.constexpr):
-    """Ask L2 for `nbytes` bytes from each byte pointer of `ptr` (one bulk prefetch each, cut to whole
-    16-byte units inside the range: never a byte past it). A hint only: no registers, nothing waits on it."""
+    """Ask L2 for `nbytes` bytes from each byte pointer of `ptr`: one bulk prefetch each, both ends rounded down
+    to 16 bytes as the instruction needs, so never a byte past the range's end and at most 15 before its start
+    (for a weight row, the row before's). A hint only: no registers, nothing waits on it."""
     if PDL:
         start = ptr.to(tl.int64)
         first = start & -16
