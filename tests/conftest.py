@@ -17,6 +17,42 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # tox runs two workers on two cores: 
     torch.set_num_threads(1)                # multi-threaded op waits at its barrier for a descheduled thread
 
 
+# CI runs two pytest workers (tox.ini: `-n 2 --dist loadfile --no-loadscope-reorder`). Each module is a unit of
+# work, handed out in collection order: the slowest first (seconds under two workers on the 2-core CI machine,
+# stop 62), so the run does not end on one worker's long module while the other idles. The modules whose
+# process peaks near 3 GB or more (two fp32 Gemma 3 copies; two or three live servers at once) share one group, run
+# one after another on one worker, so two of them never run at once; the others peak at ~2 GB.
+SLOW_FIRST = (
+    "test_spec_cache_matrix", "test_parity", "test_constrained_xml", "test_spec", "test_constrained_api",
+    "test_bench_serve", "test_spec_sampled", "test_prefix_cache", "test_serving", "test_pflash", "test_spec_train",
+    "test_pflash_server", "test_api_fuzz", "test_ahead", "test_thinking_budget", "test_grammar", "test_model_files",
+    "test_probe", "test_bench_agent", "test_engine", "test_api_responses", "test_tensor_parallel",
+    "test_engine_isolation", "test_train_data", "test_api_anthropic", "test_pacing", "test_sampling_fuzz",
+    "test_api_chat", "test_bench_models", "test_cli",
+)
+HEAVY = frozenset({"test_spec_cache_matrix", "test_parity", "test_prefix_cache", "test_serving"})
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: without xdist, never called
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`--dist loadfile`, with the HEAVY modules together as one unit of work."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class HeavyTogether(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = super()._split_scope(nodeid)
+            return "heavy" if Path(module).stem in HEAVY else module
+
+    return HeavyTogether(config, log)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: a module's tests keep their order
+
+
 def data_file(rel: str) -> Path:
     """A file of the data bundled in lucebox/data; it ships with the repository, so a missing one fails loudly."""
     path = DATA_DIR / rel

@@ -3,7 +3,8 @@
 transformers converts a GGUF by dequantizing every tensor in numpy: ~45 s for Gemma 3 270M's weights and
 ~25 s for its 262K-token tokenizer on the CI machine, in every run. The converted model or tokenizer is saved
 under $LUCEBOX_HOME/test-cache (only for files kept there, as the fetched models are), keyed by the file's name, size
-and mtime and by the transformers version, and later runs load it with `from_pretrained` in a second or two.
+and mtime and by the transformers version, and later runs load it in a second or two (a model's weights
+memory-mapped, as the run that converted it does too).
 It is still transformers' conversion of the same file, so the reference stays independent of Lucebox.
 """
 
@@ -44,25 +45,26 @@ def _cached(path: Path, kind: str, convert: Callable[[], Any], load: Callable[[P
         tmp.rename(folder)
     except Exception:  # no room, or another run got there first: this run keeps its own conversion
         shutil.rmtree(tmp, ignore_errors=True)
-    return obj
+        return obj
+    del obj  # what later runs load (for a model: mapped, not held twice)
+    return load(folder)
 
 
 def _save_model(model: Any, folder: Path) -> None:
     """Config and fp32 weights (transformers will not `save_pretrained` a model it loaded from a GGUF)."""
-    from safetensors.torch import save_model
-
     folder.mkdir(parents=True)
     model.config.save_pretrained(folder)
-    save_model(model, str(folder / "model.safetensors"))
+    torch.save(model.state_dict(), folder / "model.pt")
 
 
 def _load_model(folder: Path) -> Any:
+    """The weights memory-mapped and assigned, not copied: the process holds the file's pages once (a copy held
+    the model twice at its peak, and two test workers share 6 GB)."""
     import transformers
-    from safetensors.torch import load_model
 
     config = transformers.AutoConfig.from_pretrained(str(folder))
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    load_model(model, str(folder / "model.safetensors"))
+    model.load_state_dict(torch.load(folder / "model.pt", mmap=True, weights_only=True), assign=True)
     return model
 
 
@@ -72,7 +74,7 @@ def causal_lm(path: Path) -> Any:
 
     convert = lambda: transformers.AutoModelForCausalLM.from_pretrained(  # noqa: E731
         str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    return _cached(path, "model", convert, _load_model, _save_model).eval()
+    return _cached(path, "model-pt", convert, _load_model, _save_model).eval()
 
 
 def tokenizer(path: Path) -> Any:

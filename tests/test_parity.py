@@ -64,8 +64,8 @@ def real_model(request):
     """One real model at a time, both implementations; the memory goes back before the next one loads
     (Gemma 3 270M is ~1 GiB of fp32 weights on each side)."""
     path = request.getfixturevalue(f"{request.param}_path")
+    hf = hf_model(path)  # first: a first run's conversion peaks before our engine's memory is held
     engine = engine_for(path)
-    hf = hf_model(path)
     yield request.param, engine, hf
     del engine, hf
     release_memory()

@@ -77,26 +77,31 @@ def chat(server: LiveServer, messages: list[dict[str, str]], stream: bool) -> Re
 
 
 class Reference:
-    """Plain decoding, prefix cache off: the text every cell must reproduce."""
+    """Plain decoding, prefix cache off: the text every cell must reproduce, every topic's two turns computed up
+    front, so its server can stop before a drafter mode starts its own two (CI memory: two servers at a time)."""
 
     def __init__(self, server: LiveServer) -> None:
-        self.server = server
-        self._memo: dict[tuple[str, int], str] = {}
+        self.server: LiveServer | None = server
+        self._turns: dict[str, tuple[str, str]] = {}
+        for topic in TOPICS.values():
+            one = chat(server, first_turn(topic), stream=False).text
+            self._turns[topic] = one, chat(server, second_turn(topic, one), stream=False).text
 
     def turns(self, topic: str) -> tuple[str, str]:
         """(first reply, second reply) of the conversation about `topic`."""
-        if (topic, 1) not in self._memo:
-            one = chat(self.server, first_turn(topic), stream=False).text
-            self._memo[topic, 1] = one
-            self._memo[topic, 2] = chat(self.server, second_turn(topic, one), stream=False).text
-        return self._memo[topic, 1], self._memo[topic, 2]
+        return self._turns[topic]
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
 
 
 @pytest.fixture(scope="module")
 def reference(smollm2_path):
-    server = start_server(smollm2_path, prefix_cache=False, **MODES["off"], **COMMON)
-    yield Reference(server)
-    server.stop()
+    ref = Reference(start_server(smollm2_path, prefix_cache=False, **MODES["off"], **COMMON))
+    yield ref
+    ref.stop()
 
 
 @pytest.fixture(scope="module", params=list(MODES))
@@ -117,7 +122,9 @@ class Servers:
 
 @pytest.fixture(scope="module")
 def servers(mode, reference, smollm2_path, tmp_path_factory):
-    own = mode != "off"  # drafter off with the cache off is the reference server itself
+    own = mode != "off" or reference.server is None  # drafter off, cache off: the reference server, while it runs
+    if own:
+        reference.stop()
     cache_off = start_server(smollm2_path, prefix_cache=False, **MODES[mode], **COMMON) if own else reference.server
     kv_dir = tmp_path_factory.mktemp(f"kv-{mode}")
     cached = start_server(smollm2_path, kv_cache_dir=kv_dir, **CACHE_ON, **MODES[mode], **COMMON)

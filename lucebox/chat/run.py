@@ -409,20 +409,14 @@ class ContextOverflow(HttpError):
         self.n_prompt, self.n_ctx = n_prompt, n_ctx
 
 
-@functools.lru_cache(maxsize=8)
-def max_token_chars(tok: Any) -> int:
-    """The longest text one token of `tok` stands for: the characters of its longest spelling (added tokens too)."""
-    return max((len(t) for t in tok.hf.get_vocab(with_added_tokens=True)), default=1) or 1
-
-
 def reject_oversized(ctx: ServerContext, tok: Any, text: str) -> None:
     """ContextOverflow, without tokenizing, for a text that cannot fit in the context.
 
-    No token covers more than `max_token_chars` characters (doubled here, for normalizers that shrink text), so a
+    No token covers more than `tok.max_token_chars` characters (doubled here, for normalizers that shrink text), so a
     longer text holds more than n_ctx tokens for sure. Tokenizing it to find out took 16 MB bodies ~40 s and GBs of
     memory that were never returned, while the worker threads it held stalled every other request.
     """
-    per_token = 2 * max_token_chars(tok)
+    per_token = 2 * tok.max_token_chars
     if ctx.n_ctx and len(text) > ctx.n_ctx * per_token:
         raise ContextOverflow(-(-len(text) // per_token), 0, ctx.n_ctx)
 

@@ -19,6 +19,7 @@ UTF-8 character and the deltas concatenate to exactly `decode(all_ids)`.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from collections.abc import Iterable, Sequence
@@ -115,6 +116,11 @@ class Tokenizer:
         # detokenizer waits for a run to end. Empty for byte-level BPE vocabularies.
         byte_ids = [hf.token_to_id(f"<0x{b:02X}>") for b in range(256)]
         self._byte_ids = frozenset(byte_ids) if None not in byte_ids else frozenset()
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The longest text one token stands for: the characters of its longest spelling (added tokens too)."""
+        return max((len(t) for t in self.hf.get_vocab(with_added_tokens=True)), default=1) or 1
 
     def __repr__(self) -> str:
         return (
