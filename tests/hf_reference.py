@@ -58,8 +58,8 @@ def _save_model(model: Any, folder: Path) -> None:
 
 
 def _load_model(folder: Path) -> Any:
-    """The weights memory-mapped and assigned, not copied: the process holds the file's pages once (a copy held
-    the model twice at its peak, and two test workers share 6 GB)."""
+    """The weights memory-mapped and assigned, not copied: they stay page cache the kernel can reclaim, not a
+    second anonymous copy beside the file's pages (two test workers share the machine's memory)."""
     import transformers
 
     config = transformers.AutoConfig.from_pretrained(str(folder))
