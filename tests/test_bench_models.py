@@ -23,7 +23,7 @@ def test_quant_mix_file_has_the_shape_and_the_mix(tmp_path: Path, smollm2_path: 
     for i in range(n):
         for name in ("attn_q", "attn_v", "ffn_down"):
             assert types[f"blk.{i}.{name}.weight"] == mix_qtype(mix, name, i, n)
-    loaded = load_model(path, quiet=True, quantized=True)
+    loaded = load_model(path, quiet=True, weights="quantized")
     cfg = loaded.config
     assert (cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads) == (
         shape.hidden, shape.layers, shape.heads, shape.kv_heads)

@@ -43,7 +43,8 @@ def assert_close(ours: torch.Tensor, ref: torch.Tensor, what: str) -> None:
 
 
 def engine(path: Path, quantized: bool | None = None, **kw) -> LLMEngine:
-    loaded = load_model(path, device="cpu", dtype=torch.float32, quiet=True, quantized=quantized)
+    loaded = load_model(path, device="cpu", dtype=torch.float32, quiet=True,
+                        weights={None: "auto", True: "quantized", False: "dense"}[quantized])
     return LLMEngine(loaded, EngineConfig(device="cpu", dtype="float32", kv_tokens=2048, **kw))
 
 
@@ -262,7 +263,7 @@ def test_grouped_gemm_path_dequantizes_quantized_experts(tiny_gguf, qtype) -> No
         pytest.skip("this torch has no grouped GEMM")
     overrides = {"expert_ff": 256} if qtype == "Q4_K" else {}
     loaded = load_model(tiny_gguf("qwen3moe", qtype, **overrides), device="cpu", dtype=torch.float32,
-                        quiet=True, quantized=True)
+                        quiet=True, weights="quantized")
     moe = loaded.model.blk[0].moe
     x = torch.randn(40, moe.hidden, generator=torch.Generator().manual_seed(11))
     assert moe.ffn_gate_exps.qtype == qtype and moe.grouped_mm_ok(x)
@@ -333,7 +334,7 @@ def test_triton_quantized_experts_kernel_matches_the_grouped_path(tiny_gguf, mon
     """Experts in their GGUF blocks, gate, up and down of the `types` given (K-quant files: down, 32 columns
     wide, in Q8_0, or in Q6_K at expert width 256; gate and up of two types take separate launches)."""
     loaded = load_model(tiny_gguf("qwen3moe", qtype, **overrides), device=KERNEL_DEVICE, dtype=torch.float32,
-                        quiet=True, quantized=True)
+                        quiet=True, weights="quantized")
     moe = loaded.model.blk[0].moe
     assert " ".join(p.qtype for p in (moe.ffn_gate_exps, moe.ffn_up_exps, moe.ffn_down_exps)) == types
     x = torch.randn(7, moe.hidden, generator=torch.Generator().manual_seed(7)).to(KERNEL_DEVICE)
@@ -366,7 +367,7 @@ def test_one_row_takes_a_gemv_per_pair_within_int8_rounding(tiny_gguf, monkeypat
     from lucebox.engine.weights.quant import QuantWeight
 
     loaded = load_model(tiny_gguf("qwen3moe", qtype, **overrides), device=KERNEL_DEVICE, dtype=torch.float32,
-                        quiet=True, quantized=True)
+                        quiet=True, weights="quantized")
     moe = loaded.model.blk[0].moe
     projections = (moe.ffn_gate_exps, moe.ffn_up_exps, moe.ffn_down_exps)
     assert " ".join(p.qtype for p in projections) == types
@@ -423,7 +424,8 @@ def test_kernels_give_the_eager_engines_tokens(tiny_gguf, monkeypatch, qtype) ->
         ours = engine(path, quantized=quantized).generate(prompts, params)
     else:  # the grouped kernel: the per-pair gemvs' int8 activations are checked by their own test
         monkeypatch.setattr(triton_moe, "PAIR_ROWS", 0)
-        loaded = load_model(path, device="cuda", dtype=torch.float32, quiet=True, quantized=quantized)
+        loaded = load_model(path, device="cuda", dtype=torch.float32, quiet=True,
+                        weights={None: "auto", True: "quantized", False: "dense"}[quantized])
         ours = LLMEngine(loaded, EngineConfig(device="cuda", dtype="float32", kv_tokens=2048)).generate(prompts, params)
     assert ours == eager
 

@@ -142,7 +142,8 @@ def test_quantized_model_on_cuda_matches_dense_and_graphs_match_eager(tiny_gguf)
     ids = list(range(3, 60))
 
     def engine(quantized: bool, graphs: bool) -> LLMEngine:
-        loaded = load_model(path, device="cuda", dtype=torch.bfloat16, quiet=True, quantized=quantized)
+        loaded = load_model(path, device="cuda", dtype=torch.bfloat16, quiet=True,
+                        weights={None: "auto", True: "quantized", False: "dense"}[quantized])
         return LLMEngine(loaded, EngineConfig(device="cuda", dtype="bfloat16", kv_tokens=2048, cuda_graphs=graphs))
 
     quant = engine(True, True)
@@ -152,6 +153,52 @@ def test_quantized_model_on_cuda_matches_dense_and_graphs_match_eager(tiny_gguf)
     assert rel_err(a, b.double()) < 2e-2
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     assert quant.generate([ids], params) == engine(True, False).generate([ids], params)
+
+
+@needs_cuda
+def test_weights_both_runs_few_rows_on_the_blocks_and_many_on_the_dense_copy(tiny_gguf, monkeypatch) -> None:
+    """`--weights both` (auto's choice where the blocks and a dense copy fit): decode rows (up to SMALL_BM, tuned
+    shapes) run the int8 kernels on the blocks, giving the blocks-only engine's tokens and logits exactly;
+    prefill and bigger batches run cuBLAS on the dense copy (no int8 launch and no dequantize into scratch at more
+    than SMALL_BM rows), within bf16 tolerance of the dense engine."""
+    from lucebox.engine.runtime.llm_engine import EngineConfig, LLMEngine
+    from lucebox.engine.runtime.sampler import SamplingParams
+    from lucebox.engine.weights.loader import load_model
+
+    path = tiny_gguf("qwen3", "Q4_K", hidden_size=512, layer_qtypes=(("attn_v", "Q6_K"), ("ffn_down", "Q6_K")))
+    tuned = {}
+
+    def engine(weights: str) -> LLMEngine:
+        loaded = load_model(path, device="cuda", dtype=torch.bfloat16, quiet=True, weights=weights)
+        for m in loaded.model.modules():  # every weight on the int8 kernels at 1 and up to SMALL_BM rows
+            if getattr(m, "qtype", None) in qmm.WORD_TYPES:
+                tuned[("gemv", m.qtype, *m.quant.shape)] = (4, 1, 1, 2, "q8x")
+                tuned[("small", m.qtype, *m.quant.shape)] = (32, 1, 4, 2, "q8x")
+        monkeypatch.setattr(qmm, "TUNED", tuned)
+        return LLMEngine(loaded, EngineConfig(device="cuda", dtype="bfloat16", kv_tokens=2048))
+
+    quant, dense, both = engine("quantized"), engine("dense"), engine("both")
+    w = both.loaded.model.blk[0].ffn_down.quant
+    assert w.dense is not None and w.qtype == "Q6_K"
+    assert [qmm.dense_serves(m, w) for m in (1, 2, qmm.SMALL_BM, qmm.SMALL_BM + 1, 64)] == [False] * 3 + [True] * 2
+    assert not qmm.int8_x(qmm.SMALL_BM + 1, w) and qmm.int8_x(1, w)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    prompts = [[5], [77]]  # one-token prompts: every step of both engines runs the blocks
+    assert both.generate(prompts[:1], params) == quant.generate(prompts[:1], params)
+    assert both.generate(prompts, params) == quant.generate(prompts, params)  # two rows: the int8 tiles
+    long = list(range(3, 60))
+    rows: list[int] = []
+    launch = qmm._launch_words
+
+    def counted(x, *args, **kwargs):
+        rows.append(x.shape[0])
+        return launch(x, *args, **kwargs)
+
+    monkeypatch.setattr(qmm, "_launch_words", counted)
+    monkeypatch.setattr(qmm, "dequantize_rows", None)  # the blocks-only prefill path: never taken here
+    a, b = both.score(long), dense.score(long)
+    assert all(m <= qmm.SMALL_BM for m in rows)  # the 57 rows went to the dense copy
+    assert rel_err(a, b.double()) < 1e-2
 
 
 @needs_cuda
@@ -175,7 +222,7 @@ def test_programmatic_dependent_launch_changes_no_token(tiny_gguf, monkeypatch) 
 
     def engine(on: bool, graphs: bool) -> LLMEngine:
         monkeypatch.setenv("LUCEBOX_PDL", "1" if on else "0")
-        loaded = load_model(path, device="cuda", dtype=torch.bfloat16, quiet=True, quantized=True)
+        loaded = load_model(path, device="cuda", dtype=torch.bfloat16, quiet=True, weights="quantized")
         for m in loaded.model.modules():  # every weight on the int8 kernels (the ones that prefetch), split in two
             if getattr(m, "qtype", None) in qmm.WORD_TYPES:
                 tuned[("gemv", m.qtype, *m.quant.shape)] = (4, 1, 1, 2, "q8x")
@@ -558,7 +605,7 @@ def test_norms_write_the_int8_input_of_the_projections_that_read_it(tiny_gguf, t
                                       moe=arch == "qwen35moe")
     for module in (linear, triton_ops, triton_moe):
         monkeypatch.setattr(module, "ON_CPU", not CUDA)
-    loaded = load_model(path, device=DEVICE, dtype=DTYPE, quiet=True, quantized=True)
+    loaded = load_model(path, device=DEVICE, dtype=DTYPE, quiet=True, weights="quantized")
     model = loaded.model
     if arch == "qwen3":
         assert [(p.qtype, p.out_features) for p in model.blk[0].attn_qkv.parts] == [("Q4_K", 4 * 128 + 2 * 128),

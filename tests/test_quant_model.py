@@ -2,7 +2,7 @@
 the logits equal the dense path's bit for bit (fp32 dequantization is exact) and transformers' on the same
 file within test_parity's tolerance.
 
-`quantized=True` asks for the quantized path on the CPU (its default there is dense: the per-call dequantize
+`weights="quantized"` asks for the quantized path on the CPU (its default there is dense: the per-call dequantize
 costs about 3x a dense fp32 matmul on the default model, see gguf_loader.iter_gguf_tensors); on CUDA it is
 the default.
 """
@@ -29,7 +29,8 @@ Q4_K_M = (("attn_v", "Q6_K"), ("ffn_down", "Q6_K"))  # the mix of a llama.cpp Q4
 
 
 def engine(path: Path, quantized: bool) -> LLMEngine:
-    loaded = load_model(path, device="cpu", dtype=torch.float32, quiet=True, quantized=quantized)
+    loaded = load_model(path, device="cpu", dtype=torch.float32, quiet=True,
+                        weights={None: "auto", True: "quantized", False: "dense"}[quantized])
     return LLMEngine(loaded, EngineConfig(device="cpu", dtype="float32", kv_tokens=2048))
 
 
@@ -106,18 +107,40 @@ def test_types_without_kernels_are_dequantized_at_load_with_a_log_line(tiny_gguf
 
 
 def test_auto_weights_policy_weighs_the_dense_copy_against_the_gpu_memory_cap():
-    """`--weights auto` keeps blocks quantized when dense weights take over half the room: under a
-    --gpu-memory cap the room is the cap, not the device's free memory (a 16 GB dense copy fits an
-    H200 but not a 24 GB budget)."""
-    from lucebox.engine.weights.gguf_loader import prefer_quantized
+    """`--weights auto` on CUDA: the blocks and a dense copy when both take at most half the room and every
+    quantized weight has tuned int8 kernels, the blocks alone when the dense copy takes over half, dense in
+    between (or when a type lacks the tuned kernels), the blocks for quantized experts. Under a --gpu-memory cap
+    the room is the cap, not the device's free memory (a 16 GB dense copy fits an H200 but not a 24 GB budget)."""
+    from lucebox.engine.weights.gguf_loader import weights_policy
 
     gb = 1 << 30
-    assert not prefer_quantized(16 * gb, free_bytes=139 * gb)
-    assert prefer_quantized(16 * gb, free_bytes=139 * gb, cap_bytes=24 * gb)
-    assert prefer_quantized(16 * gb, free_bytes=20 * gb, cap_bytes=64 * gb)  # the smaller of the two
-    assert not prefer_quantized(4 * gb, free_bytes=139 * gb, cap_bytes=24 * gb)
-    assert prefer_quantized(57 * gb, free_bytes=139 * gb, moe=True)  # quantized experts decode faster
-    assert prefer_quantized(4 * gb, free_bytes=139 * gb, moe=True)
+    assert weights_policy(16 * gb, 5 * gb, free_bytes=139 * gb) == "both"
+    assert weights_policy(16 * gb, 5 * gb, free_bytes=139 * gb, word_types=False) == "dense"
+    assert weights_policy(16 * gb, 5 * gb, free_bytes=139 * gb, cap_bytes=24 * gb) == "quantized"
+    assert weights_policy(16 * gb, 5 * gb, free_bytes=20 * gb, cap_bytes=64 * gb) == "quantized"  # the smaller
+    assert weights_policy(4 * gb, 1 * gb, free_bytes=139 * gb, cap_bytes=24 * gb) == "both"
+    assert weights_policy(11 * gb, 3 * gb, free_bytes=139 * gb, cap_bytes=24 * gb) == "dense"  # both would not fit
+    assert weights_policy(57 * gb, 16 * gb, free_bytes=139 * gb, moe=True) == "quantized"  # experts decode faster
+    assert weights_policy(4 * gb, 1 * gb, free_bytes=139 * gb, moe=True) == "quantized"
+
+
+def test_weights_both_keeps_a_dense_copy_in_step_with_the_blocks(tiny_gguf) -> None:
+    """`--weights both` on the CPU: every kept tensor carries its dense copy (the blocks dequantized), fused
+    projections (q|k|v, gate|up) stack the copies as they stack the blocks, llama's q/k un-permute moves the copy's
+    rows with the blocks', and the model's logits equal the blocks-only model's (off CUDA both compute from the
+    blocks; on CUDA `test_weights_both_equals_its_two_paths_on_cuda` checks which path serves which rows)."""
+    path = tiny_gguf("llama", "Q4_K", layer_qtypes=Q4_K_M)
+    both = load_model(path, device="cpu", dtype=torch.float32, quiet=True, weights="both")
+    held = [m for m in both.model.modules() if getattr(m, "qtype", None) is not None]
+    assert held and all("qdense" in m._buffers for m in held)
+    for m in held:
+        assert torch.equal(m.qdense, m.quant.dequantize(torch.float32)), m
+        assert m.quant.dense is m.qdense
+    quant = LLMEngine(load_model(path, device="cpu", dtype=torch.float32, quiet=True, weights="quantized"),
+                      EngineConfig(device="cpu", dtype="float32", kv_tokens=2048))
+    ids = list(range(3, 40))
+    assert torch.equal(LLMEngine(both, EngineConfig(device="cpu", dtype="float32", kv_tokens=2048)).score(ids),
+                       quant.score(ids))
 
 
 @pytest.mark.parametrize("arch,qtype,experts", [("qwen3moe", "Q8_0", True), ("qwen3moe", "F32", False),

@@ -40,7 +40,8 @@ def engine(path: Path, spark: SparkConfig | None = None, quantized: bool | None 
            **config):
     """(engine, Spark) on the CPU; `guarded`: decode steps over the resident experts first (Spark.guarded, what
     a CUDA graph replays under LUCEBOX_SPARK_GRAPHS=1), run again eagerly on a miss."""
-    loaded = load_model(path, device="cpu", dtype=torch.float32, quiet=True, quantized=quantized)
+    loaded = load_model(path, device="cpu", dtype=torch.float32, quiet=True,
+                        weights={None: "auto", True: "quantized", False: "dense"}[quantized])
     sp = place_experts(loaded, torch.device("cpu"), spark, quiet=True) if spark is not None else None
     guard = sp.guarded if guarded and sp is not None else None
     return LLMEngine(loaded, EngineConfig(device="cpu", dtype="float32", kv_tokens=2048, **config),
@@ -358,7 +359,7 @@ def test_hostile_inputs_are_one_line_and_exit_2(tiny_gguf, qwen35moe_gguf, tmp_p
         assert cli_main(["generate", "--model", str(model), "--device", "cpu", "-p", "hi", "-n", "1",
                          "--spark", str(prof)]) == 2
         assert message in capsys.readouterr().err.strip().splitlines()[-1]
-    loaded = load_model(tiny_gguf("qwen3moe", "Q8_0"), device="cpu", quiet=True, quantized=True)
+    loaded = load_model(tiny_gguf("qwen3moe", "Q8_0"), device="cpu", quiet=True, weights="quantized")
     with caplog.at_level("WARNING", logger="lucebox.spark"):  # the same model in another quant: served, warned
         place_experts(loaded, torch.device("cpu"), SparkConfig(profile=profile, cpu_rows=0), quiet=True)
     assert "calibrated on a F32 file, this one is Q8_0" in caplog.text

@@ -70,16 +70,16 @@ def _median(fn: Callable[[], Any], device: torch.device) -> float:
     return statistics.median(_timed(fn, device) for _ in range(REPEATS))
 
 
-def _profile(path: Path, config: Any, device: torch.device, dtype: torch.dtype, quantized: bool, batch: int,
+def _profile(path: Path, config: Any, device: torch.device, dtype: torch.dtype, weights: str, batch: int,
              steps: int) -> dict[str, Any]:
-    """`--profile`: the file loaded again as before (`quantized` or dense) in `config` without CUDA graphs or
+    """`--profile`: the file loaded again as before (held as `weights` says) in `config` without CUDA graphs or
     decoding one step ahead, so that every kernel launch is seen; `steps` decode steps at `batch` profiled."""
     from lucebox.engine.weights.loader import load_model
 
     gc.collect()  # the timed engine's reference cycles (runner, graphs): its weights and KV go first
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    eager = LLMEngine(load_model(path, device=device, dtype=dtype, quiet=True, quantized=quantized),
+    eager = LLMEngine(load_model(path, device=device, dtype=dtype, quiet=True, weights=weights),
                       dataclasses.replace(config, cuda_graphs=False, ahead=False))
     return kernel_profile.profile_decode(eager, [_prompt(eager, 256, seed=2000 + i) for i in range(batch)], steps)
 
@@ -145,7 +145,8 @@ def weight_bytes(model: torch.nn.Module, batch: int = 1) -> int:
     """Bytes of weights one decode step of `batch` rows streams: every linear (blocks as stored or dense), the
     LM head (the tied embedding counts once, as the head), norms; the embedding itself only gives a few rows.
     A MoE layer's routed experts count as the share a step reads under uniform routing: the expected number
-    of distinct experts among batch x top-k picks, 1 - (1 - k/E)^batch of them (8 of 128 at batch 1)."""
+    of distinct experts among batch x top-k picks, 1 - (1 - k/E)^batch of them (8 of 128 at batch 1). A weight
+    held both ways (--weights both) counts the blocks or the dense copy, whichever serves `batch` rows."""
     routed: dict[int, float] = {}  # id of an expert stack's Linear -> its share
     for block in getattr(model, "blk", []):
         moe = getattr(block, "moe", None)
@@ -159,10 +160,23 @@ def weight_bytes(model: torch.nn.Module, batch: int = 1) -> int:
             continue
         if getattr(m, "qtype", None) is not None:
             n = m.qdata.numel()
+            if "qdense" in m._buffers:  # --weights both: the copy that serves this many rows
+                from lucebox.engine.kernels.triton_qmm import dense_serves
+
+                if dense_serves(batch, m.quant):
+                    n = m.qdense.numel() * m.qdense.element_size()
         else:
             n = sum(p.numel() * p.element_size() for p in m.parameters(recurse=False))
         total += n * routed.get(id(m), 1.0)
     return int(total)
+
+
+def held_as(model: torch.nn.Module) -> str:
+    """How the loaded model holds its GGUF quant blocks: "both" (with dense copies), "quantized" or "dense"."""
+    quant = [m for m in model.modules() if getattr(m, "qtype", None) is not None]
+    if not quant:
+        return "dense"
+    return "both" if any("qdense" in m._buffers for m in quant) else "quantized"
 
 
 def copy_bandwidth(device: torch.device, n_bytes: int = 1 << 30) -> float | None:
@@ -300,8 +314,9 @@ def _run(args: argparse.Namespace) -> int:
         progress.advance()
 
     gen = args.gen_len
-    quantized = any(getattr(m, "qtype", None) for m in engine.loaded.model.modules())
-    _decode_cases(engine, " (quantized)" if quantized else "", batch_sizes, gen, hf, copy_bw, rows, results, progress)
+    held = held_as(engine.loaded.model)
+    _decode_cases(engine, {"dense": "", "quantized": " (quantized)", "both": " (quantized + dense)"}[held],
+                  batch_sizes, gen, hf, copy_bw, rows, results, progress)
     title = (f"bench decode: {engine.model_config.name} ({engine.loaded.quant} file, {str(engine.loaded.dtype)[6:]}) "
              f"on {device}{' [CUDA graphs]' if engine.runner.uses_cuda_graphs else ''}"
              f"{f'; copy bandwidth {copy_bw / 1e9:,.0f} GB/s' if copy_bw else ''}")
@@ -319,14 +334,14 @@ def _run(args: argparse.Namespace) -> int:
         gc.collect()  # the engine holds reference cycles (runner, graphs): free its weights and KV now
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        dense = LLMEngine(load_model(path, device=device, dtype=dtype, quiet=True, quantized=False), config)
+        dense = LLMEngine(load_model(path, device=device, dtype=dtype, quiet=True, weights="dense"), config)
         _decode_cases(dense, f" ({label_dense(dtype)})", batch_sizes, gen, None, copy_bw, rows, results, progress)
     progress.close()
     profiled = None
     if getattr(args, "profile", 0):
         config = (dense if compare else engine).config
         engine = dense = None  # free the device for the eager copy
-        profiled = _profile(Path(model_path), config, device, dtype, quantized, batch_sizes[0], args.profile)
+        profiled = _profile(Path(model_path), config, device, dtype, held, batch_sizes[0], args.profile)
     peer = None
     if getattr(args, "peer_bench", None):
         engine = dense = None  # free the device for the peer

@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 from triton.compiler.errors import CompilationError
@@ -1092,11 +1093,21 @@ def _kind(m: int) -> str:
     return "gemv" if m == 1 else "small" if m <= SMALL_BM else "wide"
 
 
+def dense_serves(m: int, w: QuantWeight) -> bool:
+    """Whether qmatmul runs m rows of `w` on its dense copy (cuBLAS), where it keeps one (`--weights both`):
+    everything but up to SMALL_BM rows on a shape the tuner checked. The blocks win at a few rows, the dense
+    copy at many (H100, Qwen3-8B-shaped Q4_K_M, one run of `bench decode --compare-dense`, tok/s blocks /
+    dense: batch 1 339 / 171, batch 16 2,483 / 2,566, batch 32 3,430 / 5,054)."""
+    return w.dense is not None and not (m <= SMALL_BM and (_kind(m), w.qtype, *w.shape) in TUNED)
+
+
 def int8_x(m: int, w: QuantWeight) -> bool:
     """Whether qmatmul runs `w` at m activation rows on the int8-activation kernels, which read x as its
     quantize_x workspace. A caller that has the rows' workspace already (one x for several weights, or
     quantize_x's fused activation) passes it as `ws` and saves a launch and a pass over x."""
     if not 1 <= m <= SMALL_MAX or w.qtype not in WORD_TYPES or w.data.shape[1] % 4 or w.data.data_ptr() % 4:
+        return False
+    if dense_serves(m, w):
         return False
     cfg = TUNED.get((_kind(m), w.qtype, *w.shape))
     return cfg is not None and cfg[-1] in INT8_VARIANTS
@@ -1308,6 +1319,7 @@ def qmatmul(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
     Fused kernels (weight bytes read once, dequantized in registers) for one row, and for up to SMALL_MAX
     rows of the word-wise types; otherwise slices of at most SCRATCH_ELEMS weight elements are dequantized
     into a reused scratch and multiplied by cuBLAS (prefill at tensor-core speed, bounded extra memory).
+    A weight that keeps a dense copy runs it where `dense_serves` says (cuBLAS, no dequantizing).
     """
     m, k = x.shape
     n = w.data.shape[0]
@@ -1318,6 +1330,11 @@ def qmatmul(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
     if out is None:
         out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     if m == 0:  # a step with no logit rows: the int8 kernels would read row M - 1 = -1 (an illegal access)
+        return out
+    if x.device.type == "cuda" and dense_serves(m, w):
+        if out.is_contiguous():
+            return torch.addmm(bias, x, w.dense.T, out=out) if bias is not None else torch.mm(x, w.dense.T, out=out)
+        out.copy_(F.linear(x, w.dense, bias))
         return out
     if ws is not None:
         if not int8_x(m, w):

@@ -39,16 +39,21 @@ class _MaybeQuant(nn.Module):
 
     @property
     def quant(self) -> QuantWeight:
-        return QuantWeight(self.qdata, self.qtype, self.cols, self.dtype)  # type: ignore[arg-type]
+        return QuantWeight(self.qdata, self.qtype, self.cols, self.dtype,  # type: ignore[arg-type]
+                           self._buffers.get("qdense"))
 
     def set_quant(self, w: QuantWeight, dtype: torch.dtype) -> None:
         self._parameters.pop("weight", None)
         self.register_buffer("qdata", w.data)
+        self._buffers.pop("qdense", None)
+        if w.dense is not None:  # `--weights both`: the dense copy the blocks keep beside them
+            self.register_buffer("qdense", w.dense)
         self.qtype, self.cols, self.dtype = w.qtype, w.cols, dtype
 
     def __getattr__(self, name: str) -> Any:
         if name == "weight" and self.__dict__.get("qtype") is not None:
-            return self.quant.dequantize(self.dtype)
+            dense = self._buffers.get("qdense")
+            return dense if dense is not None else self.quant.dequantize(self.dtype)
         return super().__getattr__(name)
 
     def _load_from_state_dict(self, state_dict: Any, prefix: str, local_metadata: Any, strict: bool,

@@ -84,7 +84,7 @@ from lucebox.engine.parallel.plan import (
 from lucebox.engine.parallel.shard import check_shardable, shard_model
 from lucebox.engine.pflash.config import PFlashConfig
 from lucebox.engine.pflash.scorer import token_importance
-from lucebox.engine.runtime.llm_engine import WEIGHTS, EngineConfig, LLMEngine
+from lucebox.engine.runtime.llm_engine import EngineConfig, LLMEngine
 from lucebox.engine.runtime.model_runner import ModelRunner, StepInputs, StepResult
 from lucebox.engine.spark.engine import Spark, SparkConfig, place_experts
 from lucebox.engine.weights.loader import LoadedModel, load_model, read_model_config
@@ -198,12 +198,13 @@ def load_shard(path: Path, config: EngineConfig, comm: Comm, quiet: bool = False
     """This rank's shard: the model read on the host, split (shard.py), then moved to the rank's device, so a
     device only ever holds its share (and, `keep_heads`, the whole embedding and head for a drafter); with
     `spark`, the rank's experts are placed by Spark instead (its share of the budget on the device, the cold
-    ones in host memory: spark/engine.py). GGUF blocks stay quantized on CUDA unless --weights dense."""
+    ones in host memory: spark/engine.py). GGUF blocks stay quantized on CUDA unless --weights dense (shards hold
+    blocks only: --weights both is quantized here)."""
     device = comm.device
     dtype = config.resolve_dtype(device)
-    quantized = WEIGHTS[config.weights]
-    loaded = load_model(path, device="cpu", dtype=dtype, quiet=quiet,
-                        quantized=device.type == "cuda" if quantized is None else quantized)
+    weights = "dense" if config.weights == "dense" or (config.weights == "auto" and device.type != "cuda") else \
+        "quantized"
+    loaded = load_model(path, device="cpu", dtype=dtype, quiet=quiet, weights=weights)
     heads = WholeHeads(loaded.model) if keep_heads else None
     loaded.config = shard_model(loaded.model, comm)
     placed = None

@@ -53,7 +53,7 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
           "float16": torch.float16, "fp16": torch.float16}
 
 
-WEIGHTS = {"auto": None, "quantized": True, "dense": False}
+WEIGHTS = ("auto", "both", "quantized", "dense")  # --weights: how GGUF quant blocks are held (gguf_loader)
 
 
 @dataclass
@@ -73,7 +73,7 @@ class EngineConfig:
     ddtree_budget: int = 22  # tree nodes per verification
     spec_static: bool | None = None  # fixed-shape (CUDA-graph) speculative steps; None = on CUDA only
     spec_adaptive: bool = True  # per sequence, decode plainly while its drafts do not pay (spec/adaptive.py)
-    weights: str = "auto"  # GGUF quant blocks: auto (quantized on CUDA only if dense won't fit) | quantized | dense
+    weights: str = "auto"  # GGUF quant blocks: auto | both | quantized | dense (gguf_loader.auto_weights)
     kv_dtype: str = "auto"  # KV cache storage: auto (the model's dtype) | bf16 (a bf16 model) | q8_0 (int8 + scales)
     tensor_parallel: int = 1  # ranks the model is split over (engine/parallel); 1: this process alone
     # Greedy decode steps launched one step ahead of the host (runtime/ahead.py). None: where CUDA graphs run
@@ -209,7 +209,7 @@ class LLMEngine:
             cap = apply_cap(device, config.gpu_memory)  # before loading, so the weights count against it
         try:
             loaded = load_model(Path(path), device=device, dtype=config.resolve_dtype(device), quiet=quiet,
-                                quantized=WEIGHTS[config.weights],
+                                weights=config.weights,
                                 cap_bytes=None if cap is None else cap - torch.cuda.memory_reserved(device))
         except torch.cuda.OutOfMemoryError:
             if config.gpu_memory is None:

@@ -236,11 +236,11 @@ def spark_engine(path: Path, config: Any, cfg: SparkConfig, quiet: bool = False)
         from lucebox.engine.runtime.memory_plan import apply_cap
 
         apply_cap(device, config.gpu_memory)
-    quantized = WEIGHTS[config.weights]
-    if quantized is None and device.type == "cuda":
-        quantized = True  # the experts cross PCIe in their blocks
+    weights = config.weights
+    if weights == "both" or (weights == "auto" and device.type == "cuda"):
+        weights = "quantized"  # the experts cross PCIe in their blocks
     loaded = load_model(Path(path), device="cpu", dtype=config.resolve_dtype(device), quiet=quiet,
-                        quantized=quantized)
+                        weights=weights)
     spark = place_experts(loaded, device, cfg, quiet)
     graphs = cfg.graphs if cfg.graphs is not None else graphs_on(device)
     guard = spark.guarded if graphs else None

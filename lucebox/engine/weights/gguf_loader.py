@@ -240,12 +240,19 @@ def dense_weight_bytes(reader: GGUFFile, dtype: torch.dtype) -> int:
     return sum(int(np.prod([int(d) for d in t.shape])) * item for t in reader.tensors)
 
 
-def prefer_quantized(dense_bytes: int, free_bytes: int, cap_bytes: int | None = None, moe: bool = False) -> bool:
-    """Keep the blocks quantized for a mixture of experts whose experts are quantized (`moe`), or when the dense
-    weights would take more than half of what the process may use: the device's free memory, or less under a
-    `--gpu-memory` cap."""
+def weights_policy(dense_bytes: int, block_bytes: int, free_bytes: int, cap_bytes: int | None = None,
+                   moe: bool = False, word_types: bool = True) -> str:
+    """What `--weights auto` holds on CUDA: "both" (the blocks and a dense copy: the blocks serve a few rows,
+    the copy prefill and large batches; triton_qmm.dense_serves) when both take at most half of what the process
+    may use (the device's free memory, or less under a `--gpu-memory` cap) and every quantized weight is of a type
+    the tuned int8 kernels run (`word_types`); else "quantized" when the dense weights alone take more than half,
+    or for a mixture of experts whose experts are quantized (`moe`); else "dense"."""
     room = free_bytes if cap_bytes is None else min(free_bytes, cap_bytes)
-    return moe or dense_bytes > room // 2
+    if moe:
+        return "quantized"
+    if word_types and dense_bytes + block_bytes <= room // 2:
+        return "both"
+    return "quantized" if dense_bytes > room // 2 else "dense"
 
 
 def quantized_experts(reader: GGUFFile) -> bool:
@@ -254,48 +261,59 @@ def quantized_experts(reader: GGUFFile) -> bool:
     return any(t.name.endswith("_exps.weight") and t.tensor_type.name in QUANT_TYPES for t in reader.tensors)
 
 
-def keep_quantized(reader: GGUFFile, dtype: torch.dtype, device: torch.device, cap_bytes: int | None = None) -> bool:
-    """The `auto` weights policy: quantized blocks on CUDA for a mixture-of-experts model with quantized experts,
-    and for any other model whose dense copy would not fit.
+# The types of the tuned int8-activation kernels (triton_qmm.WORD_TYPES; not imported: no triton on some CPUs).
+WORD_TYPES = ("Q4_K", "Q6_K", "Q8_0")
 
-    MoE (H200, Qwen3-30B-A3B-shaped Q4_K_M, one run of `bench decode`, 2026-12-04): the blocks decode 313 tok/s
-    at batch 1 against dense bf16's 231 (1.36x) and 1,615 against 1,521 at batch 16, in 17 of 57 GiB, and
-    prefill 2048 tokens at 16.6K against 21.7K tok/s (0.76x): faster decode and 3.4x the room for KV win.
-    Dense models (figures from different runs): the 8B Q4_K_M's blocks decode 261 vs 214 tok/s at batch 1 but
-    1,978 vs 3,172 at batch 16, so
-    dense stays the default while the dense weights take at most half the room (`prefer_quantized`: free
-    memory, or the --gpu-memory cap); a larger model keeps its blocks quantized so it loads at all (a 27B
-    Q4_K_M on a 24 GB card). Files with no quantized tensors, and the CPU, stay dense.
+
+def auto_weights(reader: GGUFFile, dtype: torch.dtype, device: torch.device, cap_bytes: int | None = None) -> str:
+    """The `auto` weights policy (`weights_policy`) for this file on `device`: "dense" on the CPU and for files
+    with no quantized tensors.
+
+    Measured (H100, Qwen3-8B-shaped Q4_K_M, one run of `bench decode --weights quantized --compare-dense`,
+    2026-12-07): the blocks decode 339 tok/s at batch 1 against dense bf16's 171 (1.98x), 2,483 against 2,566
+    at batch 16 and 3,430 against 5,054 at batch 32; holding both runs each batch on the faster. A model whose
+    dense copy does not fit keeps only its blocks so it loads at all (a 27B Q4_K_M on a 24 GB card). MoE (H200,
+    Qwen3-30B-A3B-shaped Q4_K_M, 2026-12-04): the blocks decode 313 tok/s at batch 1 against dense bf16's 231 and
+    1,615 against 1,521 at batch 16, in 17 of 57 GiB: blocks only, with 3.4x the room for KV.
     """
-    if device.type != "cuda" or not any(t.tensor_type.name in QUANT_TYPES for t in reader.tensors):
-        return False
+    kept = [t for t in reader.tensors if keeps_quantized(t.name, t.tensor_type.name)]
+    if device.type != "cuda" or not kept:
+        return "dense"
     moe = quantized_experts(reader)
     free, _ = torch.cuda.mem_get_info(device)
     room = free if cap_bytes is None else min(free, cap_bytes)
     dense = dense_weight_bytes(reader, dtype)
-    keep = prefer_quantized(dense, free, cap_bytes, moe)
-    log.info("weights: %s (%sdense %.1f GiB against %.1f GiB %s; --weights quantized|dense overrides)",
-             "quantized blocks" if keep else "dense", "quantized experts; " if moe else "", dense / 2**30,
-             room / 2**30, "free" if cap_bytes is None or free <= cap_bytes else "of --gpu-memory")
-    return keep
+    blocks = sum(int(t.n_bytes) for t in kept)
+    words = all(t.tensor_type.name in WORD_TYPES for t in kept)
+    policy = weights_policy(dense, blocks, free, cap_bytes, moe, words)
+    log.info("weights: %s (%sdense %.1f GiB + blocks %.1f GiB against %.1f GiB %s; --weights "
+             "both|quantized|dense overrides)", {"both": "quantized blocks and a dense copy",
+                                                 "quantized": "quantized blocks", "dense": "dense"}[policy],
+             "quantized experts; " if moe else "", dense / 2**30, blocks / 2**30, room / 2**30,
+             "free" if cap_bytes is None or free <= cap_bytes else "of --gpu-memory")
+    return policy
 
 
 def iter_gguf_tensors(
     reader: GGUFFile, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str,
-    quantized: bool | None = None,
+    weights: str = "auto",
     cap_bytes: int | None = None,
 ) -> Iterator[tuple[str, torch.Tensor | QuantWeight]]:
     """Yield (GGUF name, tensor in numpy row-major shape) straight from the memory map.
 
-    With `quantized` (default: `keep_quantized`: on CUDA for quantized experts, or when the dense copy would not
-    fit) the linear weights, embedding and LM head of a type in
-    `quant.QUANT_TYPES` come as a QuantWeight: the file's block bytes copied to `device` as they are.
+    With `weights` "quantized" or "both" (default "auto": `auto_weights`) the linear weights, embedding and LM
+    head of a type in `quant.QUANT_TYPES` come as a QuantWeight: the file's block bytes copied to `device` as they
+    are, with "both" their dense copy in `dtype` beside them (QuantWeight.dense, dequantized on `device`).
     Everything else is dense in `dtype`: F32/F16/BF16 converted by torch, the listed quant types
     dequantized by engine/weights/quant's torch code on `device`, and any other type by `gguf.quants` (numpy),
     logged once per type.
     """
     device = torch.device(device)
-    keep = keep_quantized(reader, dtype, device, cap_bytes) if quantized is None else quantized
+    if weights not in ("auto", "both", "quantized", "dense"):
+        raise ValueError(f"weights {weights!r}: choose from auto, both, quantized, dense")
+    if weights == "auto":
+        weights = auto_weights(reader, dtype, device, cap_bytes)
+    keep = weights in ("both", "quantized")
     slow: set[str] = set()
     for t in reader.tensors:
         qtype = t.tensor_type.name
@@ -316,7 +334,10 @@ def iter_gguf_tensors(
             if q_rows or k_rows:  # whole rows move, so the blocks are un-permuted as they are
                 qw = qw.map_rows(lambda r, heads=heads: unpermute_qk(r, heads))
                 q_rows = k_rows = False
-            tensor = qw if keep and keeps_quantized(t.name, qtype) else qw.dequantize(dtype).reshape(shape)
+            if keep and keeps_quantized(t.name, qtype):
+                tensor = qw.with_dense() if weights == "both" else qw
+            else:
+                tensor = qw.dequantize(dtype).reshape(shape)
         else:
             if qtype not in slow:
                 slow.add(qtype)

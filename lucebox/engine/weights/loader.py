@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from lucebox import heap
 from lucebox.engine.models import DecoderModel
 from lucebox.engine.models.config import HYBRID_ARCHS, ModelConfig
 from lucebox.engine.models.qwen35 import Qwen35Model
@@ -52,12 +53,12 @@ def load_model(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
     quiet: bool = False,
-    quantized: bool | None = None,
+    weights: str = "auto",
     cap_bytes: int | None = None,
 ) -> LoadedModel:
-    """Read config, weights and tokenizer; weights land on `device` in `dtype` (GGUF quant blocks stay
-    quantized where `quantized`, default on CUDA: see gguf_loader.iter_gguf_tensors; `cap_bytes` is the
-    --gpu-memory cap that default weighs against)."""
+    """Read config, weights and tokenizer; weights land on `device` in `dtype` (GGUF quant blocks held as
+    `weights` says: auto | both | quantized | dense, see gguf_loader.iter_gguf_tensors; `cap_bytes` is the
+    --gpu-memory cap that auto weighs against)."""
     path = Path(path)
     device = torch.device(device)
     start = time.monotonic()
@@ -77,7 +78,7 @@ def load_model(
         cfg = gguf_loader.gguf_config(reader, path)
         gguf_loader.check_quant_types(reader, path)
         tokenizer = tokenizer_from_gguf(reader)
-        tensors = gguf_loader.iter_gguf_tensors(reader, cfg, dtype, device, quantized, cap_bytes)
+        tensors = gguf_loader.iter_gguf_tensors(reader, cfg, dtype, device, weights, cap_bytes)
         n_tensors = len(reader.tensors)
         template = gguf_loader.field(reader, "tokenizer.chat_template")
         if template is not None and not isinstance(template, str):
@@ -88,6 +89,7 @@ def load_model(
         raise ModelFileError(f"{path}: no such file or folder")
 
     model = build_model(cfg, tensors, n_tensors, device, path, quiet)
+    heap.release()  # the load's freed temporaries (dequantized and unfused weights): ~0.28 GB for SmolLM2 on CPU
     if not quiet:
         log.info(
             "loaded %s (%s, %s, %d layers, %.0fM params) on %s as %s in %.1fs",

@@ -29,12 +29,15 @@ def row_bytes(qtype: str, cols: int) -> int:
 @dataclass
 class QuantWeight:
     """Raw GGUF blocks of a [rows, cols] matrix: `data` is uint8 [rows, row_bytes(qtype, cols)]. `dtype` is
-    the model's compute dtype, what a dense copy of the weight would be held in."""
+    the model's compute dtype, what a dense copy of the weight would be held in. `dense`: that copy, where the
+    weights policy keeps both (`--weights both`: the blocks serve a few rows, the copy serves many; see
+    triton_qmm.qmatmul); row operations keep it in step with the blocks."""
 
     data: torch.Tensor
     qtype: str
     cols: int
     dtype: torch.dtype = torch.float32
+    dense: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.qtype not in FORMATS:
@@ -58,7 +61,12 @@ class QuantWeight:
         return self.data.numel()
 
     def to(self, device: torch.device | str) -> QuantWeight:
-        return QuantWeight(self.data.to(device), self.qtype, self.cols, self.dtype)
+        dense = None if self.dense is None else self.dense.to(device)
+        return QuantWeight(self.data.to(device), self.qtype, self.cols, self.dtype, dense)
+
+    def with_dense(self) -> QuantWeight:
+        """The same blocks with their dense copy in `dtype` beside them (dequantized where the blocks are)."""
+        return QuantWeight(self.data, self.qtype, self.cols, self.dtype, self.dequantize(self.dtype))
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The whole matrix, [rows, cols] in `dtype` (exact in fp32)."""
@@ -71,7 +79,8 @@ class QuantWeight:
 
     def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> QuantWeight:
         """The same weight with its byte rows rearranged by `fn` (a function of a [rows, ...] tensor)."""
-        return QuantWeight(fn(self.data).contiguous(), self.qtype, self.cols, self.dtype)
+        dense = None if self.dense is None else fn(self.dense).contiguous()
+        return QuantWeight(fn(self.data).contiguous(), self.qtype, self.cols, self.dtype, dense)
 
     @staticmethod
     def cat(parts: list[QuantWeight]) -> QuantWeight:
@@ -79,4 +88,5 @@ class QuantWeight:
         first = parts[0]
         if any(p.qtype != first.qtype or p.cols != first.cols for p in parts):
             raise ValueError("only weights of one type and width concatenate")
-        return QuantWeight(torch.cat([p.data for p in parts]), first.qtype, first.cols, first.dtype)
+        dense = torch.cat([p.dense for p in parts]) if all(p.dense is not None for p in parts) else None
+        return QuantWeight(torch.cat([p.data for p in parts]), first.qtype, first.cols, first.dtype, dense)
