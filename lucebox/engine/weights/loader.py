@@ -89,7 +89,7 @@ def load_model(
         raise ModelFileError(f"{path}: no such file or folder")
 
     model = build_model(cfg, tensors, n_tensors, device, path, quiet)
-    heap.release()  # the load's freed temporaries (dequantized and unfused weights): ~0.28 GB for SmolLM2 on CPU
+    heap.trim()  # the load's freed temporaries (dequantized and unfused weights): ~0.28 GB for SmolLM2 on CPU
     if not quiet:
         log.info(
             "loaded %s (%s, %s, %d layers, %.0fM params) on %s as %s in %.1fs",
