@@ -155,6 +155,33 @@ def test_quantized_model_on_cuda_matches_dense_and_graphs_match_eager(tiny_gguf)
     assert quant.generate([ids], params) == engine(True, False).generate([ids], params)
 
 
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_a_dense_copy_serves_the_rows_the_blocks_do_not(qtype: str, monkeypatch) -> None:
+    """qmatmul of a weight held both ways (--weights both): rows up to SMALL_BM on a tuned shape run the int8
+    kernels on the blocks (the blocks-only result, bit for bit), more rows (or an untuned shape) run cuBLAS on the
+    dense copy (x @ dense.T, bit for bit), into a column slice and with a bias too; int8_x follows."""
+    w = random_weight(qtype, 64, 512).to(DEVICE)
+    both = w.with_dense()
+    assert torch.equal(both.dense, w.dequantize(DTYPE))
+    monkeypatch.setattr(linear, "ON_CPU", True)
+    monkeypatch.setattr(qmm, "TUNED", {("gemv", qtype, 64, 512): (4, 16, 1, 2, "q8x"),
+                                       ("small", qtype, 64, 512): (32, 1, 4, 2, "q8x")})
+    bias = torch.randn(64, device=DEVICE, dtype=DTYPE)
+    for m in (1, 3, qmm.SMALL_BM, qmm.SMALL_BM + 1, 40):
+        x = torch.randn(m, 512, device=DEVICE, dtype=DTYPE)
+        y = linear.qlinear(x, both)
+        dense = m > qmm.SMALL_BM
+        assert qmm.dense_serves(m, both) is dense and qmm.int8_x(m, both) is not dense
+        assert torch.equal(y, x @ both.dense.T if dense else linear.qlinear(x, w)), m
+        out = torch.zeros(m, 100, device=DEVICE, dtype=DTYPE)
+        linear.qlinear(x, both, out=out[:, 10:74])
+        assert torch.equal(out[:, 10:74], y)
+        if dense:
+            assert torch.equal(linear.qlinear(x, both, bias), torch.addmm(bias, x, both.dense.T))
+    monkeypatch.setattr(qmm, "TUNED", {})  # an untuned shape: the copy at every row count
+    assert qmm.dense_serves(1, both) and not qmm.dense_serves(1, w)
+
+
 @needs_cuda
 def test_weights_both_runs_few_rows_on_the_blocks_and_many_on_the_dense_copy(tiny_gguf, monkeypatch) -> None:
     """`--weights both` (auto's choice where the blocks and a dense copy fit): decode rows (up to SMALL_BM, tuned

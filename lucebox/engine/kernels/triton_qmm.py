@@ -1331,7 +1331,7 @@ def qmatmul(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
         out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     if m == 0:  # a step with no logit rows: the int8 kernels would read row M - 1 = -1 (an illegal access)
         return out
-    if x.device.type == "cuda" and dense_serves(m, w):
+    if dense_serves(m, w):
         if out.is_contiguous():
             return torch.addmm(bias, x, w.dense.T, out=out) if bias is not None else torch.mm(x, w.dense.T, out=out)
         out.copy_(F.linear(x, w.dense, bias))
