@@ -29,9 +29,10 @@ def add_engine_args(p: argparse.ArgumentParser, positional: bool = False) -> Non
     p.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA) | float32 | bfloat16 | float16")
     p.add_argument("--ctx-size", "-c", type=int, default=None, dest="n_ctx", help="context length (default: model's)")
     p.add_argument("--weights", choices=["auto", "both", "quantized", "dense"], default="auto",
-                   help="GGUF quant blocks: auto (on CUDA: the blocks and a dense copy when both fit in half the "
-                        "memory, the blocks alone when the dense copy would not fit; on the CPU dense) | both (the "
-                        "blocks serve a few rows, the copy prefill and big batches) | quantized | dense")
+                   help="GGUF quant blocks: auto (kept quantized on CUDA only when the dense copy would not fit, "
+                        "and for quantized experts) | both (the blocks and a dense copy: the blocks serve steps of "
+                        "up to 16 rows, the copy prefill and bigger batches; not yet run on a GPU) | quantized | "
+                        "dense")
     p.add_argument("--kv-dtype", default=None, metavar="TYPE",
                    help="KV cache storage: auto (the model's dtype) | bf16 (a bf16 model) | q8_0 (int8 with a scale "
                         "per token and KV head: ~1.9x the tokens in the same memory); env LUCEBOX_KV_DTYPE for serve")

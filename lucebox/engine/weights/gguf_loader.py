@@ -240,19 +240,14 @@ def dense_weight_bytes(reader: GGUFFile, dtype: torch.dtype) -> int:
     return sum(int(np.prod([int(d) for d in t.shape])) * item for t in reader.tensors)
 
 
-def weights_policy(dense_bytes: int, block_bytes: int, free_bytes: int, cap_bytes: int | None = None,
-                   moe: bool = False, word_types: bool = True) -> str:
-    """What `--weights auto` holds on CUDA: "both" (the blocks and a dense copy: the blocks serve a few rows,
-    the copy prefill and large batches; triton_qmm.dense_serves) when both take at most half of what the process
-    may use (the device's free memory, or less under a `--gpu-memory` cap) and every quantized weight is of a type
-    the tuned int8 kernels run (`word_types`); else "quantized" when the dense weights alone take more than half,
-    or for a mixture of experts whose experts are quantized (`moe`); else "dense"."""
+def weights_policy(dense_bytes: int, free_bytes: int, cap_bytes: int | None = None, moe: bool = False) -> str:
+    """What `--weights auto` holds on CUDA: the blocks ("quantized") for a mixture of experts whose experts are
+    quantized (`moe`), or when the dense weights would take more than half of what the process may use (the
+    device's free memory, or less under a `--gpu-memory` cap); else "dense". Not yet "both" (the blocks and a
+    dense copy, faster than either alone at every batch size where it fits): that path has not yet run on a GPU,
+    so it is opt-in until it has (`--weights both`)."""
     room = free_bytes if cap_bytes is None else min(free_bytes, cap_bytes)
-    if moe:
-        return "quantized"
-    if word_types and dense_bytes + block_bytes <= room // 2:
-        return "both"
-    return "quantized" if dense_bytes > room // 2 else "dense"
+    return "quantized" if moe or dense_bytes > room // 2 else "dense"
 
 
 def quantized_experts(reader: GGUFFile) -> bool:
@@ -261,36 +256,28 @@ def quantized_experts(reader: GGUFFile) -> bool:
     return any(t.name.endswith("_exps.weight") and t.tensor_type.name in QUANT_TYPES for t in reader.tensors)
 
 
-# The types of the tuned int8-activation kernels (triton_qmm.WORD_TYPES; not imported: no triton on some CPUs).
-WORD_TYPES = ("Q4_K", "Q6_K", "Q8_0")
-
-
 def auto_weights(reader: GGUFFile, dtype: torch.dtype, device: torch.device, cap_bytes: int | None = None) -> str:
     """The `auto` weights policy (`weights_policy`) for this file on `device`: "dense" on the CPU and for files
     with no quantized tensors.
 
     Measured (H100, Qwen3-8B-shaped Q4_K_M, one run of `bench decode --weights quantized --compare-dense`,
-    2026-12-07): the blocks decode 339 tok/s at batch 1 against dense bf16's 171 (1.98x), 2,483 against 2,566
-    at batch 16 and 3,430 against 5,054 at batch 32; holding both runs each batch on the faster. A model whose
+    2026-12-07): the blocks decode 339 tok/s at batch 1 against dense bf16's 171 (1.98x), 2,483 against 2,566 at
+    batch 16 and 3,430 against 5,054 at batch 32; dense prefills 512 tokens at 45.3-45.8K tok/s against the
+    blocks' 21.3-21.4K (H200, 2026-12-05). `--weights both` runs each step on the faster of the two. A model whose
     dense copy does not fit keeps only its blocks so it loads at all (a 27B Q4_K_M on a 24 GB card). MoE (H200,
     Qwen3-30B-A3B-shaped Q4_K_M, 2026-12-04): the blocks decode 313 tok/s at batch 1 against dense bf16's 231 and
     1,615 against 1,521 at batch 16, in 17 of 57 GiB: blocks only, with 3.4x the room for KV.
     """
-    kept = [t for t in reader.tensors if keeps_quantized(t.name, t.tensor_type.name)]
-    if device.type != "cuda" or not kept:
+    if device.type != "cuda" or not any(keeps_quantized(t.name, t.tensor_type.name) for t in reader.tensors):
         return "dense"
     moe = quantized_experts(reader)
     free, _ = torch.cuda.mem_get_info(device)
     room = free if cap_bytes is None else min(free, cap_bytes)
     dense = dense_weight_bytes(reader, dtype)
-    blocks = sum(int(t.n_bytes) for t in kept)
-    words = all(t.tensor_type.name in WORD_TYPES for t in kept)
-    policy = weights_policy(dense, blocks, free, cap_bytes, moe, words)
-    log.info("weights: %s (%sdense %.1f GiB + blocks %.1f GiB against %.1f GiB %s; --weights "
-             "both|quantized|dense overrides)", {"both": "quantized blocks and a dense copy",
-                                                 "quantized": "quantized blocks", "dense": "dense"}[policy],
-             "quantized experts; " if moe else "", dense / 2**30, blocks / 2**30, room / 2**30,
-             "free" if cap_bytes is None or free <= cap_bytes else "of --gpu-memory")
+    policy = weights_policy(dense, free, cap_bytes, moe)
+    log.info("weights: %s (%sdense %.1f GiB against %.1f GiB %s; --weights both|quantized|dense overrides)",
+             "quantized blocks" if policy == "quantized" else "dense", "quantized experts; " if moe else "",
+             dense / 2**30, room / 2**30, "free" if cap_bytes is None or free <= cap_bytes else "of --gpu-memory")
     return policy
 
 
