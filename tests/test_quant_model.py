@@ -19,6 +19,7 @@ from lucebox.engine.models.layers import ConcatLinear, Linear
 from lucebox.engine.runtime.llm_engine import EngineConfig, LLMEngine
 from lucebox.engine.runtime.sampler import SamplingParams
 from lucebox.engine.weights.loader import load_model
+from lucebox.engine.weights.quant import QuantWeight
 from tests.fixtures.tiny_models import gguf_qtype_counts, transformers_gguf_kwargs
 
 transformers = pytest.importorskip("transformers")
@@ -121,23 +122,30 @@ def test_auto_weights_policy_weighs_the_dense_copy_against_the_gpu_memory_cap():
     assert weights_policy(4 * gb, free_bytes=139 * gb, moe=True) == "quantized"
 
 
-def test_weights_both_keeps_a_dense_copy_in_step_with_the_blocks(tiny_gguf) -> None:
+def test_weights_both_keeps_a_dense_copy_in_step_with_the_blocks(tiny_gguf, monkeypatch) -> None:
     """`--weights both` on the CPU: every kept tensor carries its dense copy (the blocks dequantized), fused
     projections (q|k|v, gate|up) stack the copies as they stack the blocks, llama's q/k un-permute moves the copy's
     rows with the blocks', and the model's logits equal the blocks-only model's (off CUDA both compute from the
-    blocks; on CUDA `test_weights_both_equals_its_two_paths_on_cuda` checks which path serves which rows)."""
+    blocks' values: the CPU reads the copy instead of dequantizing per call; on CUDA
+    `test_weights_both_runs_few_rows_on_the_blocks_and_many_on_the_dense_copy` checks which rows each serves)."""
     path = tiny_gguf("llama", "Q4_K", layer_qtypes=Q4_K_M)
     both = load_model(path, device="cpu", dtype=torch.float32, quiet=True, weights="both")
     held = [m for m in both.model.modules() if getattr(m, "qtype", None) is not None]
     assert held and all("qdense" in m._buffers for m in held)
     for m in held:
         assert torch.equal(m.qdense, m.quant.dequantize(torch.float32)), m
-        assert m.quant.dense is m.qdense
+        assert m.quant.dense is m.qdense and m.quant.dense_as(torch.float32) is m.qdense
     quant = LLMEngine(load_model(path, device="cpu", dtype=torch.float32, quiet=True, weights="quantized"),
                       EngineConfig(device="cpu", dtype="float32", kv_tokens=2048))
     ids = list(range(3, 40))
-    assert torch.equal(LLMEngine(both, EngineConfig(device="cpu", dtype="float32", kv_tokens=2048)).score(ids),
-                       quant.score(ids))
+    want = quant.score(ids)
+    both_engine = LLMEngine(both, EngineConfig(device="cpu", dtype="float32", kv_tokens=2048))
+
+    def no_dequantize(*args, **kwargs):
+        raise AssertionError("a weight held both ways was dequantized per call")
+
+    monkeypatch.setattr(QuantWeight, "dequantize", no_dequantize)
+    assert torch.equal(both_engine.score(ids), want)
 
 
 @pytest.mark.parametrize("arch,qtype,experts", [("qwen3moe", "Q8_0", True), ("qwen3moe", "F32", False),

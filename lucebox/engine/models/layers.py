@@ -129,7 +129,7 @@ class ConcatLinear(nn.Module):
         if not use_kernels(x) or x.dim() != 2:
             if ws is not None:
                 raise ValueError("ConcatLinear: an int8 workspace without the quantized kernels")
-            weight = torch.cat([p.quant.dequantize(x.dtype) if p.qtype else p.weight.to(x.dtype) for p in parts])
+            weight = torch.cat([p.quant.dense_as(x.dtype) if p.qtype else p.weight.to(x.dtype) for p in parts])
             bias = None if parts[0].bias is None else torch.cat([p.bias for p in parts])  # type: ignore[misc]
             return F.linear(x, weight, bias)
         out = torch.empty(x.shape[0], self.out_features, device=x.device, dtype=x.dtype)

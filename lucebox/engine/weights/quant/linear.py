@@ -76,7 +76,8 @@ def qlinear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
     """x [..., K] @ dequantize(w).T (+ bias) -> [..., N] in x's dtype.
 
     Off CUDA the weight is dequantized for this call only (exact in fp32, so the CPU result equals a dense
-    fp32 weight's) and dropped after it. `out` (2-D x only) receives the result, e.g. a column slice. `ws`:
+    fp32 weight's) and dropped after it, or its dense copy is read where it keeps one (`--weights both`: the
+    same values, without the per-call dequantize). `out` (2-D x only) receives the result, e.g. a column slice. `ws`:
     x's int8 workspace where `int8_workspace` or `layers.int8_input` gave one: used where w's kernel reads x as
     int8 at this row count (then x's values are not read), else x is read (one workspace offered to several
     weights, some of whose kernels the tuner chose to read x).
@@ -89,7 +90,7 @@ def qlinear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
         return y if out is not None else y.reshape(*lead, y.shape[-1])
     if ws is not None:
         raise ValueError("qlinear: an int8 workspace without the quantized kernels")
-    y = F.linear(x, w.dequantize(x.dtype), bias)
+    y = F.linear(x, w.dense_as(x.dtype), bias)
     if out is not None:
         out.copy_(y)
         return out

@@ -72,6 +72,12 @@ class QuantWeight:
         """The whole matrix, [rows, cols] in `dtype` (exact in fp32)."""
         return dequantize(self.data, self.qtype, self.cols, dtype)
 
+    def dense_as(self, dtype: torch.dtype) -> torch.Tensor:
+        """The whole matrix in `dtype`: the kept dense copy where it is in `dtype`, else dequantized now."""
+        if self.dense is not None and self.dense.dtype == dtype:
+            return self.dense
+        return self.dequantize(dtype)
+
     def rows(self, index: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Rows `index` (any shape) dequantized: [*index.shape, cols]. Reads only those rows' blocks."""
         picked = self.data.index_select(0, index.reshape(-1))
