@@ -425,7 +425,7 @@ def test_kernels_give_the_eager_engines_tokens(tiny_gguf, monkeypatch, qtype) ->
     else:  # the grouped kernel: the per-pair gemvs' int8 activations are checked by their own test
         monkeypatch.setattr(triton_moe, "PAIR_ROWS", 0)
         loaded = load_model(path, device="cuda", dtype=torch.float32, quiet=True,
-                        weights={None: "auto", True: "quantized", False: "dense"}[quantized])
+                            weights={None: "auto", True: "quantized", False: "dense"}[quantized])
         ours = LLMEngine(loaded, EngineConfig(device="cuda", dtype="float32", kv_tokens=2048)).generate(prompts, params)
     assert ours == eager
 

@@ -31,7 +31,7 @@ Q4_K_M = (("attn_v", "Q6_K"), ("ffn_down", "Q6_K"))  # the mix of a llama.cpp Q4
 
 def engine(path: Path, quantized: bool) -> LLMEngine:
     loaded = load_model(path, device="cpu", dtype=torch.float32, quiet=True,
-                        weights={None: "auto", True: "quantized", False: "dense"}[quantized])
+                        weights="quantized" if quantized else "dense")
     return LLMEngine(loaded, EngineConfig(device="cpu", dtype="float32", kv_tokens=2048))
 
 
