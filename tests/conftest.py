@@ -11,7 +11,7 @@ import torch
 
 from lucebox import fetch
 from lucebox.data import DATA_DIR
-from tests.memory import release_memory
+from tests.memory import memory_log_module, memory_log_start, release_memory
 
 if os.environ.get("PYTEST_XDIST_WORKER"):  # tox runs two workers on two cores: one intra-op thread each, or every
     torch.set_num_threads(1)                # multi-threaded op waits at its barrier for a descheduled thread
@@ -129,9 +129,14 @@ def _stop_the_shared_server():
 def _release_memory_after_each_module(request):
     """Stop the shared server before a module that does not use it; after each module, hand what it freed
     (its servers, engines, transformers reference models) back to the OS, so the suite's peak is the
-    largest module's, not the sum of them all."""
+    largest module's, not the sum of them all. With LUCEBOX_MEMLOG=file, append each module's peak."""
     if not any("live_server" in item.fixturenames for item in request.session.items
                if getattr(item, "module", None) is request.module):
         SHARED_SERVER.stop()
+    log = os.environ.get("LUCEBOX_MEMLOG")
+    if log:
+        memory_log_start()
     yield
     release_memory()
+    if log:
+        memory_log_module(Path(log), request.module.__name__)
