@@ -112,6 +112,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-gpu-prefix-cache", action="store_true", help="keep no finished KV blocks on the device")
     p.add_argument("--prefix-cache-slots", type=int, default=None, help="RAM turn-boundary snapshots (default 32)")
     p.add_argument("--prefill-cache-slots", type=int, default=None, help="RAM exact-prompt snapshots (default 4)")
+    p.add_argument("--cache-ram", type=int, default=None, metavar="MB",
+                   help="RAM for those snapshots together, least recently used evicted first (default 4096; "
+                        "0: none, and then nothing reaches --kv-cache-dir either)")
     p.add_argument("--kv-cache-dir", type=Path, default=None, help="persist snapshots here (memory-mapped files)")
     p.add_argument("--kv-cache-budget", type=int, default=None, help="disk budget in MB (default 4096)")
     p.add_argument("--kv-cache-min-tokens", type=int, default=None, help="don't persist shorter prefixes (256)")

@@ -76,6 +76,7 @@ class ServerConfig:
     gpu_prefix_cache: bool = True
     prefix_cache_slots: int = 32
     prefill_cache_slots: int = 4
+    cache_ram: int = 4096  # MiB of RAM for the snapshot tiers together; 0: none (nor disk, which they feed)
     kv_cache_dir: Path | None = None
     kv_cache_budget: int = 4096  # MB
     kv_cache_min_tokens: int = 256
@@ -143,6 +144,7 @@ class ServerConfig:
             gpu_prefix_cache=not getattr(args, "no_gpu_prefix_cache", False),
             prefix_cache_slots=pick("prefix_cache_slots", "LUCEBOX_PREFIX_CACHE_SLOTS", int, 32),
             prefill_cache_slots=pick("prefill_cache_slots", "LUCEBOX_PREFILL_CACHE_SLOTS", int, 4),
+            cache_ram=pick("cache_ram", "LUCEBOX_CACHE_RAM", int, 4096),
             kv_cache_dir=pick("kv_cache_dir", "LUCEBOX_KV_CACHE_DIR", Path, None),
             kv_cache_budget=pick("kv_cache_budget", "LUCEBOX_KV_CACHE_BUDGET", int, 4096),
             kv_cache_min_tokens=pick("kv_cache_min_tokens", "LUCEBOX_KV_CACHE_MIN_TOKENS", int, 256),
@@ -176,6 +178,12 @@ class ServerConfig:
             raise LuceboxError(f"--max-body-mb must be at least 1, got {self.max_body_mb}")
         if not self.grace >= 0:
             raise LuceboxError(f"--shutdown-grace must be a number of seconds >= 0, got {self.grace}")
+        for flag, value in (("--prefix-cache-slots", self.prefix_cache_slots),
+                            ("--prefill-cache-slots", self.prefill_cache_slots), ("--cache-ram", self.cache_ram),
+                            ("--kv-cache-budget", self.kv_cache_budget),
+                            ("--kv-cache-min-tokens", self.kv_cache_min_tokens)):
+            if value < 0:
+                raise LuceboxError(f"{flag} must be >= 0, got {value}")
         if self.router_skew is not None:
             from lucebox.engine.spark.simulate import parse_skew
 
@@ -323,7 +331,7 @@ def load_into(ctx: ServerContext, cfg: ServerConfig) -> Any:
 
         engine.enable_prefix_cache(CacheConfig(
             gpu=cfg.gpu_prefix_cache, prefix_slots=cfg.prefix_cache_slots, exact_slots=cfg.prefill_cache_slots,
-            disk_dir=cfg.kv_cache_dir, disk_budget=cfg.kv_cache_budget << 20,
+            ram_bytes=cfg.cache_ram << 20, disk_dir=cfg.kv_cache_dir, disk_budget=cfg.kv_cache_budget << 20,
             disk_min_tokens=cfg.kv_cache_min_tokens), ctx.prompt.template)
     ctx.pflash = enable_pflash(engine, cfg)
     if ctx.pflash is not None:

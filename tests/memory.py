@@ -40,10 +40,10 @@ def memory_log_start() -> None:
 
 
 def memory_log_module(log: Path, module: str) -> None:
-    """Append `worker module peak_MB after_MB children_peak_MB seconds` for the module that just ended
+    """Append `worker module peak_MB anon_after_MB children_peak_MB seconds` for the module that just ended
     (LUCEBOX_MEMLOG): which modules the 6 GB budget must fit two of at once."""
     children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss // 1024
     worker = os.environ.get("PYTEST_XDIST_WORKER", "-")
     with log.open("a") as f:
-        f.write(f"{worker} {module} {_status_mb('VmHWM')} {_status_mb('VmRSS')} {children} "
+        f.write(f"{worker} {module} {_status_mb('VmHWM')} {_status_mb('RssAnon')} {children} "
                 f"{time.monotonic() - _started:.0f}\n")

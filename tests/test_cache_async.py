@@ -80,6 +80,16 @@ def run(engine: LLMEngine, ids: list[int], max_tokens: int = 4):
     return seq
 
 
+def test_the_ram_budget_bounds_both_tiers_together(make_cache):
+    """`--cache-ram MB` is one budget for the turn-boundary and exact tiers (and the host buffers behind them);
+    0 turns both off."""
+    cache = make_cache(ram_bytes=64 << 20)
+    assert cache.prefix.max_bytes + cache.exact.max_bytes == 64 << 20
+    assert cache.host.stats().capacity == (64 << 20) + (8 << 20)  # size classes waste up to 1/8
+    off = make_cache(ram_bytes=0)
+    assert off.prefix is None and off.exact is None
+
+
 def test_an_over_budget_snapshot_never_allocates_host_memory(engine, template, make_cache):
     ids = render(engine, template, TURN1)
     need = snapshot_bytes(engine.kv, len(ids) - 1)

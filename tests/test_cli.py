@@ -44,6 +44,13 @@ def test_two_different_models_is_one_line_and_exit_2(capsys):
     assert err == ["lucebox: error: the model is given twice: 'a.gguf' and --model 'b.gguf' (give one)"]
 
 
+@pytest.mark.parametrize("flag", ["--cache-ram", "--prefix-cache-slots", "--prefill-cache-slots",
+                                  "--kv-cache-budget", "--kv-cache-min-tokens"])
+def test_a_negative_cache_size_is_one_line_and_exit_2(capsys, flag):
+    assert cli.main(["serve", "--model", "m.gguf", flag, "-1"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [f"lucebox: error: {flag} must be >= 0, got -1"]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--rows", "1,40"], "bench qmm: --rows takes a comma-separated list of 1..32, not '1,40'"),
     (["--types", "Q4_0"], "bench qmm: --types takes Q4_K, Q6_K, Q8_0, not 'Q4_0'"),

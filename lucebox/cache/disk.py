@@ -532,22 +532,26 @@ class DiskStore:
             try:
                 if job[0] == "stop":
                     return
-                if job[0] == "touch":
-                    self._touch(job[1])
-                else:
-                    _, tier, key, tokens, kv, draft_kv, done, state = job
-                    try:
-                        self.put(tier, key, tokens, kv, draft_kv, state)
-                    finally:
-                        with self._lock:
-                            self._pending.discard((tier, key))
-                        if done is not None:
-                            done()
+                self._do(job)
             except Exception:  # noqa: BLE001 - the writer must outlive any one bad job
                 log.exception("KV cache: background write failed")
                 self._count("write_errors")
             finally:
+                job = None  # not held while idle: a put holds a RAM snapshot's KV, which an eviction must free
                 self._queue.task_done()
+
+    def _do(self, job: tuple) -> None:
+        if job[0] == "touch":
+            self._touch(job[1])
+            return
+        _, tier, key, tokens, kv, draft_kv, done, state = job
+        try:
+            self.put(tier, key, tokens, kv, draft_kv, state)
+        finally:
+            with self._lock:
+                self._pending.discard((tier, key))
+            if done is not None:
+                done()
 
     def flush(self) -> None:
         """Wait until every queued job is done."""

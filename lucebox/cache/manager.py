@@ -41,6 +41,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -81,7 +82,7 @@ class CacheConfig:
     gpu: bool = True  # tier 0: finished sequences' blocks stay indexed by prefix
     prefix_slots: int = 32  # tier 1 RAM slots (turn boundaries); 0 = off
     exact_slots: int = 4  # tier 2 RAM slots (exact prompt); 0 = off
-    ram_bytes: int = 2 << 30  # bound on each RAM pool
+    ram_bytes: int = 4 << 30  # bound on the RAM tiers together (--cache-ram), split evenly between the two
     min_tokens: int = 64  # smaller prefixes are not snapshotted (tier 0 still shares them)
     disk_dir: Path | None = None
     disk_budget: int = 4 << 30  # bytes
@@ -137,20 +138,28 @@ class Copier:
     """One thread that takes host buffers and enqueues snapshot copies for the engine thread (CUDA)."""
 
     def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="lucebox-snapshot-copier", daemon=True)
         self._thread.start()
 
     def submit(self, job: Callable[[], None]) -> None:
         self._jobs.put(job)
 
+    def close(self) -> None:
+        """Stop the thread once the jobs queued before this have run."""
+        self._jobs.put(None)
+        self._thread.join()
+
     def _run(self) -> None:
         while True:
             job = self._jobs.get()
+            if job is None:
+                return
             try:
                 job()
             except Exception:  # noqa: BLE001 - a failed copy publishes nothing; the engine goes on
                 log.exception("a snapshot copy failed")
+            job = None  # not held while idle: the job's closure holds a snapshot's host buffer
 
 
 class PrefixCache:
@@ -163,14 +172,14 @@ class PrefixCache:
         self.markers = markers
         self.index = PrefixIndex(kv.pool, kv.block_size) if cfg.gpu else None
         prefix_on = bool(cfg.prefix_slots) and markers is not None
-        # Size classes waste up to 1/8 of a buffer: the pool's bound leaves that over both RAM budgets.
-        budget = cfg.ram_bytes * (int(prefix_on) + int(bool(cfg.exact_slots)))
-        self.host = HostBufferPool(budget + budget // 8, kv.data.device)
+        # Size classes waste up to 1/8 of a buffer: the pool's bound leaves that over the RAM budget.
+        per_pool = cfg.ram_bytes // max(1, int(prefix_on) + int(bool(cfg.exact_slots)))
+        self.host = HostBufferPool(cfg.ram_bytes + cfg.ram_bytes // 8, kv.data.device)
         self.states = StateSnapshots(self.target.states, self.host) if self.target.states is not None else None
-        self.prefix = SnapshotPool(cfg.prefix_slots, "prefix", max_bytes=cfg.ram_bytes, host=self.host) \
-            if prefix_on else None
-        self.exact = SnapshotPool(cfg.exact_slots, "exact", max_bytes=cfg.ram_bytes, host=self.host) \
-            if cfg.exact_slots else None
+        self.prefix = SnapshotPool(cfg.prefix_slots, "prefix", max_bytes=per_pool, host=self.host) \
+            if prefix_on and per_pool else None
+        self.exact = SnapshotPool(cfg.exact_slots, "exact", max_bytes=per_pool, host=self.host) \
+            if cfg.exact_slots and per_pool else None
         self.pending: list[PendingCopy] = []  # engine thread only
         self._copier: Copier | None = None  # started at the first snapshot on CUDA
         self.disk = DiskStore(cfg.disk_dir, layout, cfg.disk_budget, cfg.disk_min_tokens) \
@@ -517,6 +526,18 @@ class PrefixCache:
                     p.buffer.release()
         self.pending = still
         return len(still)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Engine thread, at shutdown: publish the copies in flight, then write out every queued disk job
+        (a snapshot made just before a stop is on disk for the next start) and stop the cache's threads."""
+        deadline = time.monotonic() + timeout
+        while self.poll() and time.monotonic() < deadline:
+            time.sleep(0.002)
+        if self._copier is not None:
+            self._copier.close()
+            self._copier = None
+        if self.disk is not None:
+            self.disk.close()
 
     # ----- admin and stats ----------------------------------------------------
 

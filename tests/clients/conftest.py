@@ -82,11 +82,14 @@ def results_dir() -> Path:
     return path
 
 
-@pytest.fixture(scope="session")
-def server(smollm2_path: Path, results_dir: Path) -> Server:
-    """`python -m lucebox serve` on a free port, default model, Qwen3 template (tools render)."""
+@pytest.fixture(scope="module")
+def server(request: pytest.FixtureRequest, smollm2_path: Path, results_dir: Path) -> Server:
+    """`python -m lucebox serve` on a free port, default model, Qwen3 template (tools render).
+
+    One per module, not per session: a server is ~1.3 GB, and under `tox` the modules that use it (the probe,
+    the protocol regressions) run early on both workers, which then held two idle servers to the end."""
     port = free_port()
-    log = results_dir / "server.log"
+    log = results_dir / f"server-{request.module.__name__.rsplit('.', 1)[-1]}.log"  # one per module and worker
     with open(log, "wb") as out:
         proc = procs.spawn(
             [sys.executable, "-m", "lucebox", "serve", "--model", str(smollm2_path), "--port", str(port),

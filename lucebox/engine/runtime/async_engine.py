@@ -265,6 +265,8 @@ class AsyncEngine:
                 if ended or any(o.finished for o in outputs) or not self.engine.has_work():
                     self._flush()  # an ending is told at once (the client's last event, the next request)
         self._flush()
+        if self.engine.cache is not None:
+            self.engine.cache.close()  # the snapshots of the last turns reach the disk tier before the process ends
 
     def _gone_while_held(self) -> bool:
         """A client left while its sequence waits at a hold (no step runs to notice): the next `_step` ends it."""
