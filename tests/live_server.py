@@ -56,8 +56,8 @@ class LiveServer:
 
 def start_server(model: Path | str, **overrides: Any) -> LiveServer:
     """Start a server on 127.0.0.1:<free port>; returns once the model is loaded."""
-    overrides.setdefault("kv_tokens", 12288)  # ~0.5 GiB of fp32 KV: several test servers share the machine
-    overrides.setdefault("cache_ram", 512)  # RAM snapshots: the default 4 GiB would let each server grow ~0.6 GB
+    overrides.setdefault("kv_tokens", 8704)  # a full 8K context and a bit (~0.4 GiB of fp32 KV): servers share the box
+    overrides.setdefault("cache_ram", 256)  # RAM snapshots: the default 4 GiB would let each server grow ~0.6 GB
     cfg = ServerConfig(model=str(model), port=0, device="cpu", dtype="float32", **overrides)
     ctx = ServerContext(model_id=str(model), n_ctx=cfg.n_ctx or 0)
     ready = threading.Event()

@@ -312,6 +312,7 @@ def test_bench_anthropic_dialect(live_server, tmp_path):
 def test_bench_starts_and_stops_its_own_server(smollm2_path, tmp_path):
     out = tmp_path / "serve.json"
     code = serve.main(bench_args(model=str(smollm2_path), device="cpu", dtype="float32", concurrency="1",
+                                 kv_tokens=2048,  # one short request: the default pool would be ~1 GB of fp32 KV
                                  requests=1, gen_len=4, prompt_len=64, json=out))
     assert code == 0
     payload = json.loads(out.read_text())
