@@ -9,6 +9,7 @@ import sys
 import textwrap
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -299,6 +300,22 @@ def test_put_async_never_blocks_and_drops_when_the_queue_is_full(tmp_path):
     assert store.stats().entries == 1 + queued.count(True)
     assert not store.put_async(1, *big[0]), "already on disk"
     store.close()
+
+
+def test_the_idle_writer_holds_no_snapshot_and_close_writes_what_is_queued(tmp_path):
+    """Once written, a snapshot's KV is the caller's alone (the writer kept its last job: a RAM snapshot evicted
+    meanwhile stayed in memory); `close` writes every queued job before the thread ends (a server's stop)."""
+    store = DiskStore(tmp_path, LAYOUT, 1 << 30, min_tokens=1)
+    key, tokens, kv = entry(64)
+    assert store.put_async(1, key, tokens, kv)
+    store.flush()
+    gone = weakref.ref(kv)
+    del kv
+    assert gone() is None, "the idle writer thread still holds the last snapshot it wrote"
+    queued = [entry(16, seed=s) for s in range(1, 4)]
+    assert all(store.put_async(2, k, t, v) for k, t, v in queued)
+    store.close()
+    assert files(store) == sorted([f"{key}.t1.kv"] + [f"{k}.t2.kv" for k, _, _ in queued])
 
 
 def test_clear_removes_everything(tmp_path):

@@ -286,6 +286,8 @@ class LLMEngine:
         layout = layout_id(model_path=self.loaded.path, kv_dtype=self.kv.kv_dtype, block_size=self.kv.block_size,
                            n_ctx=self.n_ctx, template_sha1=template.sha1 if template is not None else "",
                            num_layers=mc.num_layers, num_kv_heads=target.kv_heads, head_dim=mc.head_dim, extra=extra)
+        if self.cache is not None:
+            self.cache.close()  # a replaced cache's threads stop once its queued disk writes are done
         self.cache = PrefixCache(cfg, self.kv, markers, layout, draft_kv=self.spec.kv if self.spec else None,
                                  target=target)
         self.scheduler.cache = self.cache
